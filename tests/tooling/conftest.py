@@ -1,0 +1,106 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Fixtures for apply.py: pristine vLLM 0.33.0 trees and the tests' patch set.
+
+The pristine tree is the pinned wheel's own files: every file is checked
+against the wheel's ``RECORD`` before it enters the cache, and files the
+project's patch set has already changed in ``.venv`` come from the journal's
+backups.  Only Python sources and the dist-info the tool reads are copied;
+the compiled extensions (hundreds of MB) play no part in patching.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+import apply
+
+PROJECT_DIR = Path(apply.__file__).resolve().parent
+CACHE = PROJECT_DIR / ".cache"
+DATA = Path(__file__).parent / "data"
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """SHA-256 of every file under ``root``, by relative path."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def build_pristine(dest: Path) -> None:
+    venv = apply.resolve_target(None)
+    record = venv.record_hashes()
+    source = apply.pristine_source(venv)
+    version = apply.read_pins()["vllm"]
+    wanted = [rel for rel in record
+              if rel.startswith("vllm/") and rel.endswith(".py")]
+    wanted += [f"vllm-{version}.dist-info/{name}"
+               for name in ("METADATA", "RECORD")]
+    for rel in wanted:
+        src = source(rel) if rel.startswith("vllm/") else venv.path(rel)
+        if src is None:
+            raise RuntimeError(f"{rel}: missing from {venv.root}")
+        if rel in record and apply.sha256_file(src) != record[rel]:
+            raise RuntimeError(f"{src}: not the file the vLLM {version} "
+                               "wheel ships (RECORD); reinstall it")
+        dst = dest / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dst)
+
+
+@pytest.fixture(scope="session")
+def pristine_cache() -> Path:
+    version = apply.read_pins()["vllm"]
+    cache = CACHE / f"pristine-vllm-{version}"
+    if not cache.is_dir():
+        CACHE.mkdir(exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix="pristine-", dir=CACHE))
+        build_pristine(tmp)
+        tmp.rename(cache)
+    return cache
+
+
+@pytest.fixture
+def target(pristine_cache: Path, tmp_path: Path) -> Path:
+    """A fresh site-packages-like copy of pristine vLLM 0.33.0."""
+    path = tmp_path / "site-packages"
+    shutil.copytree(pristine_cache, path)
+    return path
+
+
+@pytest.fixture
+def patch_set(target: Path, tmp_path: Path) -> Path:
+    """The tests' own series, with its manifest generated from RECORD."""
+    path = tmp_path / "patchset"
+    shutil.copytree(DATA / "patchset", path)
+    proc = run_tool(path, "manifest", "--target", str(target))
+    assert proc.returncode == 0, proc.stderr
+    return path
+
+
+def run_tool(patch_set: Path, *args: str, user: int | None = None,
+             ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(PROJECT_DIR / "apply.py"),
+         "--patch-set", str(patch_set), *args],
+        capture_output=True, text=True, user=user, timeout=120)
+
+
+@pytest.fixture
+def tool(patch_set: Path, target: Path,
+         ) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Run apply.py on the test target: ``tool("apply")``."""
+
+    def run(command: str, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+        return run_tool(patch_set, command, "--target", str(target), *args,
+                        **kwargs)
+
+    return run
