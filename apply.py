@@ -59,8 +59,14 @@ JOURNAL_FORMAT = 1
 MANIFEST = "base.sha256"
 REQUIRED_HEADERS = ("Description", "Drop-When", "Last-Update")
 FORWARDED_HEADERS = ("Forwarded", "Upstream-Status")
-GIT_IDENTITY = ("-c", "user.name=k3-sppp", "-c", "user.email=k3-sppp@localhost",
-                "-c", "commit.gpgsign=false")
+GIT_IDENTITY = (
+    "-c",
+    "user.name=k3-sppp",
+    "-c",
+    "user.email=k3-sppp@localhost",
+    "-c",
+    "commit.gpgsign=false",
+)
 DEVTREE_BASE_TAG = "k3-sppp-base"
 
 
@@ -93,8 +99,7 @@ def file_hash_or_none(path: Path) -> str | None:
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime(
-        "%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def fsync_dir(path: Path) -> None:
@@ -197,8 +202,7 @@ def parse_patch(path: Path) -> Patch:
         else:
             last = None
     if "Subject" in headers:
-        headers["Subject"] = re.sub(r"^\[PATCH[^\]]*\]\s*", "",
-                                    headers["Subject"])
+        headers["Subject"] = re.sub(r"^\[PATCH[^\]]*\]\s*", "", headers["Subject"])
     files: list[str] = []
     hunks: dict[str, list[str]] = {}
     current = None
@@ -231,10 +235,14 @@ def load_patch_set(root: Path) -> PatchSet:
     series_file = patch_dir / "series"
     problems: list[str] = []
     if not series_file.is_file():
-        raise ApplyError(f"{series_file}: no series file; a patch set needs "
-                         "patches/series (empty when there are no patches)")
-    names = [line.split("#", 1)[0].strip()
-             for line in series_file.read_text(encoding="utf-8").splitlines()]
+        raise ApplyError(
+            f"{series_file}: no series file; a patch set needs "
+            "patches/series (empty when there are no patches)"
+        )
+    names = [
+        line.split("#", 1)[0].strip()
+        for line in series_file.read_text(encoding="utf-8").splitlines()
+    ]
     names = [n for n in names if n]
     patches = []
     for name in sorted({n for n in names if names.count(n) > 1}):
@@ -242,55 +250,74 @@ def load_patch_set(root: Path) -> PatchSet:
     for name in dict.fromkeys(names):
         path = patch_dir / name
         if not path.is_file():
-            problems.append(f"{series_file}: lists {name}, which does not "
-                            "exist")
+            problems.append(f"{series_file}: lists {name}, which does not exist")
             continue
         patch = parse_patch(path)
-        missing = [h for h in ("Subject",) + REQUIRED_HEADERS
-                   if not patch.headers.get(h)]
+        missing = [
+            h for h in ("Subject",) + REQUIRED_HEADERS if not patch.headers.get(h)
+        ]
         if not any(patch.headers.get(h) for h in FORWARDED_HEADERS):
             missing.append("Forwarded (or Upstream-Status)")
         if missing:
-            problems.append(f"{path}: DEP-3 header lacks "
-                            + ", ".join(missing))
+            problems.append(f"{path}: DEP-3 header lacks " + ", ".join(missing))
         if not patch.files:
             problems.append(f"{path}: holds no 'diff --git' section")
         patches.append(patch)
     for path in sorted(patch_dir.glob("*.patch")):
         if path.name not in names:
-            problems.append(f"{path}: not listed in {series_file}; add it to "
-                            "the series or delete it")
+            problems.append(
+                f"{path}: not listed in {series_file}; add it to "
+                "the series or delete it"
+            )
     overlay_dir = root / "vllm_overlay"
-    overlay_export = sorted(
-        str(p.relative_to(overlay_dir)) for p in overlay_dir.rglob("*")
-        if p.is_file() and "__pycache__" not in p.parts
-    ) if overlay_dir.is_dir() else []
+    overlay_export = (
+        sorted(
+            str(p.relative_to(overlay_dir))
+            for p in overlay_dir.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+        )
+        if overlay_dir.is_dir()
+        else []
+    )
+    for rel in overlay_export:
+        if not rel.startswith(("vllm/", "tests/")):
+            problems.append(
+                f"{overlay_dir / rel}: overlay files live under vllm/ "
+                "(installed) or tests/ (export only)"
+            )
     overlay = [rel for rel in overlay_export if rel.startswith("vllm/")]
     manifest = read_manifest(patch_dir / MANIFEST)
-    patch_set = PatchSet(root, patches, overlay, overlay_export, manifest,
-                         problems)
+    patch_set = PatchSet(root, patches, overlay, overlay_export, manifest, problems)
     touched = set(patch_set.patched_files)
     if set(manifest) != touched:
         extra = sorted(set(manifest) - touched)
         lacking = sorted(touched - set(manifest))
         detail = "; ".join(
-            part for part in (
+            part
+            for part in (
                 f"lacks {', '.join(lacking)}" if lacking else "",
                 f"lists untouched {', '.join(extra)}" if extra else "",
-            ) if part)
-        problems.append(f"{patch_dir / MANIFEST}: out of date ({detail}); "
-                        "run `python apply.py manifest`")
+            )
+            if part
+        )
+        problems.append(
+            f"{patch_dir / MANIFEST}: out of date ({detail}); "
+            "run `python apply.py manifest`"
+        )
     for rel in overlay:
         if rel in touched:
-            problems.append(f"vllm_overlay/{rel}: also changed by a patch; "
-                            "a file is either patched or new")
+            problems.append(
+                f"vllm_overlay/{rel}: also changed by a patch; "
+                "a file is either patched or new"
+            )
     return patch_set
 
 
 def require_clean(patch_set: PatchSet) -> None:
     if patch_set.problems:
-        raise ApplyError("the patch set is inconsistent:\n  "
-                         + "\n  ".join(patch_set.problems))
+        raise ApplyError(
+            "the patch set is inconsistent:\n  " + "\n  ".join(patch_set.problems)
+        )
 
 
 def read_pins() -> dict[str, str]:
@@ -325,7 +352,9 @@ class Target:
         if version_file.is_file():
             match = re.search(
                 r"^__version__\s*=[^'\"\n]*['\"]([^'\"]+)['\"]",
-                version_file.read_text(encoding="utf-8"), re.MULTILINE)
+                version_file.read_text(encoding="utf-8"),
+                re.MULTILINE,
+            )
             if match:
                 return match.group(1)
         for metadata in self.root.glob("vllm-*.dist-info/METADATA"):
@@ -340,7 +369,8 @@ class Target:
         if not records:
             raise ApplyError(
                 f"{self.root}: no vllm-*.dist-info/RECORD; the manifest is "
-                "generated from an installed vLLM wheel (make setup)")
+                "generated from an installed vLLM wheel (make setup)"
+            )
         hashes = {}
         with open(records[0], newline="", encoding="utf-8") as f:
             for row in csv.reader(f):
@@ -356,19 +386,23 @@ class Target:
         try:
             journal = json.loads(self.journal_path.read_text(encoding="utf-8"))
         except ValueError as e:
-            raise ApplyError(f"{self.journal_path}: unreadable journal ({e}); "
-                             "inspect it by hand") from e
+            raise ApplyError(
+                f"{self.journal_path}: unreadable journal ({e}); inspect it by hand"
+            ) from e
         if journal.get("format") != JOURNAL_FORMAT:
-            raise ApplyError(f"{self.journal_path}: journal format "
-                             f"{journal.get('format')!r} is not "
-                             f"{JOURNAL_FORMAT}; use the k3-sppp checkout "
-                             "that applied it")
+            raise ApplyError(
+                f"{self.journal_path}: journal format "
+                f"{journal.get('format')!r} is not "
+                f"{JOURNAL_FORMAT}; use the k3-sppp checkout "
+                "that applied it"
+            )
         return journal
 
     def write_journal(self, journal: dict) -> None:
-        write_atomic(self.journal_path,
-                     (json.dumps(journal, indent=2, sort_keys=True) + "\n")
-                     .encode())
+        write_atomic(
+            self.journal_path,
+            (json.dumps(journal, indent=2, sort_keys=True) + "\n").encode(),
+        )
 
     def clear_bytecode(self, rels: list[str]) -> None:
         """Drop cached bytecode of the given modules (stale after a swap)."""
@@ -384,8 +418,10 @@ class Target:
 def default_target() -> Path:
     venv = PROJECT_DIR / ".venv"
     if not venv.is_dir():
-        raise ApplyError(f"{venv}: no project venv; run `make setup` (or "
-                         "`make apply`), or pass --target")
+        raise ApplyError(
+            f"{venv}: no project venv; run `make setup` (or "
+            "`make apply`), or pass --target"
+        )
     return venv
 
 
@@ -397,15 +433,17 @@ def resolve_target(path: Path | None) -> Target:
     if (path / "pyvenv.cfg").is_file():
         candidates = sorted(path.glob("lib/python*/site-packages"))
         if not candidates:
-            raise ApplyError(f"{path}: a virtual environment without "
-                             "lib/python*/site-packages")
+            raise ApplyError(
+                f"{path}: a virtual environment without lib/python*/site-packages"
+            )
         path = candidates[-1]
     if path.name == "vllm" and (path / "__init__.py").is_file():
         path = path.parent
     if not (path / "vllm" / "__init__.py").is_file():
         raise ApplyError(
             f"{path}: no vllm/ package here; pass a site-packages directory, "
-            "a vLLM checkout root, a venv, or the vllm/ package itself")
+            "a vLLM checkout root, a venv, or the vllm/ package itself"
+        )
     return Target(path)
 
 
@@ -413,8 +451,10 @@ def resolve_target(path: Path | None) -> Target:
 def locked(target: Target) -> Iterator[None]:
     """Hold the target's lock; leave no lock file or empty state behind."""
     if not os.access(target.root, os.W_OK):
-        raise ApplyError(f"{target.root}: not writable by this user; run as "
-                         "the owner of the vLLM install")
+        raise ApplyError(
+            f"{target.root}: not writable by this user; run as "
+            "the owner of the vLLM install"
+        )
     target.state_dir.mkdir(exist_ok=True)
     lock_path = target.state_dir / "lock"
     while True:
@@ -428,7 +468,8 @@ def locked(target: Target) -> Iterator[None]:
                 raise
             raise ApplyError(
                 f"{lock_path}: another k3-sppp run holds this target "
-                f"(pid {holder or '?'}); wait for it to finish") from e
+                f"(pid {holder or '?'}); wait for it to finish"
+            ) from e
         with contextlib.suppress(FileNotFoundError):
             if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
                 break
@@ -450,22 +491,32 @@ def locked(target: Target) -> Iterator[None]:
 # --------------------------------------------------------------------------
 
 
-def git(args: list[str], cwd: Path, check: bool = True,
-        ) -> subprocess.CompletedProcess[str]:
+def git(
+    args: list[str],
+    cwd: Path,
+    check: bool = True,
+) -> subprocess.CompletedProcess[str]:
     """Run git with repository discovery stopped at ``cwd``'s parent."""
-    env = dict(os.environ, GIT_CEILING_DIRECTORIES=str(cwd.parent),
-               LC_ALL="C", GIT_CONFIG_NOSYSTEM="1")
+    env = dict(
+        os.environ,
+        GIT_CEILING_DIRECTORIES=str(cwd.parent),
+        LC_ALL="C",
+        GIT_CONFIG_NOSYSTEM="1",
+    )
     for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
         env.pop(var, None)
     try:
-        proc = subprocess.run(["git", *args], cwd=cwd, env=env, text=True,
-                              capture_output=True)
+        proc = subprocess.run(
+            ["git", *args], cwd=cwd, env=env, text=True, capture_output=True
+        )
     except FileNotFoundError as e:
-        raise ApplyError("git is not installed; k3-sppp applies patches "
-                         "with `git apply`") from e
+        raise ApplyError(
+            "git is not installed; k3-sppp applies patches with `git apply`"
+        ) from e
     if check and proc.returncode != 0:
-        raise ApplyError(f"git {' '.join(args)} failed in {cwd}:\n"
-                         + proc.stderr.strip())
+        raise ApplyError(
+            f"git {' '.join(args)} failed in {cwd}:\n" + proc.stderr.strip()
+        )
     return proc
 
 
@@ -481,8 +532,11 @@ def describe_rejects(patch: Patch, output: str) -> list[str]:
             headers = patch.hunks.get(current, [])
             where = f" ({headers[number - 1]})" if number <= len(headers) else ""
             failures.append(f"{current} hunk #{number}{where}")
-        elif match := re.match(r"error: (\S+): (No such file or directory|"
-                               r"does not exist in index)", line):
+        elif match := re.match(
+            r"error: (\S+): (No such file or directory|"
+            r"does not exist in index)",
+            line,
+        ):
             failures.append(f"{match.group(1)}: missing in the target")
         elif match := re.match(r"error: (\S+): already exists", line):
             failures.append(f"{match.group(1)}: already exists in the target")
@@ -495,20 +549,26 @@ def apply_patch(stage: Path, patch: Patch) -> list[str]:
     ``--reject`` makes git apply what it can and name each rejected hunk; the
     stage is thrown away on any failure, so nothing half-applied survives.
     """
-    proc = git(["apply", "--verbose", "--reject", "--whitespace=error",
-                str(patch.path)], stage, check=False)
+    proc = git(
+        ["apply", "--verbose", "--reject", "--whitespace=error", str(patch.path)],
+        stage,
+        check=False,
+    )
     output = proc.stdout + proc.stderr
     if skipped := re.findall(r"Skipped patch '([^']+)'", output):
         return [f"{rel}: skipped by git" for rel in skipped]
     if proc.returncode == 0:
         return []
-    return describe_rejects(patch, output) or [
-        line for line in output.splitlines() if line.startswith("error:")
-    ] or [output.strip()]
+    return (
+        describe_rejects(patch, output)
+        or [line for line in output.splitlines() if line.startswith("error:")]
+        or [output.strip()]
+    )
 
 
-def copy_base(stage: Path, rels: list[str],
-              source: Callable[[str], Path | None]) -> None:
+def copy_base(
+    stage: Path, rels: list[str], source: Callable[[str], Path | None]
+) -> None:
     """Copy the original of each file into ``stage`` (absent ones are not)."""
     for rel in rels:
         src = source(rel)
@@ -518,8 +578,9 @@ def copy_base(stage: Path, rels: list[str],
             shutil.copy2(src, dst)
 
 
-def stage_patch_set(patch_set: PatchSet, stage: Path, *, overlay: list[str],
-                    keep_going: bool = False) -> dict[str, list[str]]:
+def stage_patch_set(
+    patch_set: PatchSet, stage: Path, *, overlay: list[str], keep_going: bool = False
+) -> dict[str, list[str]]:
     """Apply the series, then add ``overlay``; return failures per patch."""
     failures: dict[str, list[str]] = {}
     for patch in patch_set.patches:
@@ -543,9 +604,11 @@ def byte_compile(stage: Path, rels: list[str]) -> None:
         try:
             compile((stage / rel).read_bytes(), rel, "exec", dont_inherit=True)
         except SyntaxError as e:
-            raise ApplyError(f"{rel}:{e.lineno}: the patched file does not "
-                             f"compile ({e.msg}); fix the patch or overlay "
-                             "file that changes it") from e
+            raise ApplyError(
+                f"{rel}:{e.lineno}: the patched file does not "
+                f"compile ({e.msg}); fix the patch or overlay "
+                "file that changes it"
+            ) from e
 
 
 # --------------------------------------------------------------------------
@@ -559,7 +622,8 @@ def check_version(target: Target, pins: dict[str, str]) -> str | None:
         raise ApplyError(
             f"{target.root}: vLLM {version} found, the patch set is pinned to "
             f"{pins['vllm']}; install vllm=={pins['vllm']} there, or port the "
-            "series (`python apply.py check --target ...` shows what fails)")
+            "series (`python apply.py check --target ...` shows what fails)"
+        )
     return version
 
 
@@ -573,11 +637,11 @@ def base_drift(target: Target, patch_set: PatchSet) -> list[str]:
         elif (digest := sha256_file(path)) != patch_set.manifest.get(rel):
             problems.append(
                 f"{rel}: SHA-256 {digest[:12]}… is not the pinned "
-                f"{patch_set.manifest.get(rel, '?')[:12]}…")
+                f"{patch_set.manifest.get(rel, '?')[:12]}…"
+            )
     for rel in patch_set.overlay:
         if target.path(rel).exists():
-            problems.append(f"{rel}: exists, but the patch set adds it as a "
-                            "new file")
+            problems.append(f"{rel}: exists, but the patch set adds it as a new file")
     return problems
 
 
@@ -625,10 +689,10 @@ def roll_back(target: Target, journal: dict, *, force: bool = False) -> int:
             + ", ".join(unknown)
             + f" (in {target.root}); save your edits, then "
             "`python apply.py revert --force` restores the originals",
-            code=EXIT_DRIFT)
+            code=EXIT_DRIFT,
+        )
     for rel in unknown:
-        keep = target.path(rel).with_name(target.path(rel).name
-                                          + ".k3-sppp-drift")
+        keep = target.path(rel).with_name(target.path(rel).name + ".k3-sppp-drift")
         shutil.copy2(target.path(rel), keep)
         say(f"kept your edited {rel} as {keep}")
     restored = 0
@@ -638,8 +702,9 @@ def roll_back(target: Target, journal: dict, *, force: bool = False) -> int:
             continue
         backup = target.state_dir / entry["backup"]
         if sha256_file(backup) != entry["base"]:
-            raise ApplyError(f"{backup}: backup of {entry['path']} is "
-                             "corrupt; reinstall vLLM 0.33.0")
+            raise ApplyError(
+                f"{backup}: backup of {entry['path']} is corrupt; reinstall vLLM 0.33.0"
+            )
         copy_atomic(backup, path)
         restored += 1
     for entry in journal["overlay"]:
@@ -652,12 +717,13 @@ def roll_back(target: Target, journal: dict, *, force: bool = False) -> int:
         shutil.rmtree(path / "__pycache__", ignore_errors=True)
         with contextlib.suppress(FileNotFoundError, OSError):
             path.rmdir()
-    target.clear_bytecode([e["path"] for e in journal["files"]
-                           + journal["overlay"]])
+    target.clear_bytecode([e["path"] for e in journal["files"] + journal["overlay"]])
     for entry in journal["files"]:
         if sha256_file(target.path(entry["path"])) != entry["base"]:
-            raise ApplyError(f"{entry['path']}: still not the original after "
-                             "restore; reinstall vLLM 0.33.0")
+            raise ApplyError(
+                f"{entry['path']}: still not the original after "
+                "restore; reinstall vLLM 0.33.0"
+            )
     return restored
 
 
@@ -672,13 +738,14 @@ def recover_if_interrupted(target: Target, journal: dict | None) -> None:
         return
     restored = roll_back(target, journal)
     finish_revert(target)
-    say(f"recovered from an interrupted {journal['state']} started "
+    say(
+        f"recovered from an interrupted {journal['state']} started "
         f"{journal['started']}: {restored} file(s) restored to vLLM "
-        f"{journal['vllm_version']}")
+        f"{journal['vllm_version']}"
+    )
 
 
-def swap_in(target: Target, patch_set: PatchSet, stage: Path,
-            journal: dict) -> None:
+def swap_in(target: Target, patch_set: PatchSet, stage: Path, journal: dict) -> None:
     """Move staged results into the target; undo everything on failure."""
     for entry in journal["files"]:
         backup = target.state_dir / entry["backup"]
@@ -692,14 +759,14 @@ def swap_in(target: Target, patch_set: PatchSet, stage: Path,
             os.replace(stage / entry["path"], target.path(entry["path"]))
         for entry in journal["files"] + journal["overlay"]:
             if sha256_file(target.path(entry["path"])) != entry["result"]:
-                raise ApplyError(f"{entry['path']}: content after the swap is "
-                                 "not the staged result")
+                raise ApplyError(
+                    f"{entry['path']}: content after the swap is not the staged result"
+                )
     except BaseException:
         roll_back(target, journal, force=True)
         finish_revert(target)
         raise
-    target.clear_bytecode([e["path"] for e in journal["files"]
-                           + journal["overlay"]])
+    target.clear_bytecode([e["path"] for e in journal["files"] + journal["overlay"]])
     journal["state"] = "applied"
     target.write_journal(journal)
 
@@ -717,12 +784,16 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 raise ApplyError(
                     f"{target.root}: revision {journal['revision']} of the "
                     f"patch set is applied, this checkout is {revision}; run "
-                    "`make revert` first, then apply")
+                    "`make revert` first, then apply"
+                )
             if drift := drifted_files(target, journal):
                 raise ApplyError(
                     f"{target.root}: applied, but changed since: "
-                    + ", ".join(drift) + "; `make revert` (with --force to "
-                    "discard the edits) and apply again", code=EXIT_DRIFT)
+                    + ", ".join(drift)
+                    + "; `make revert` (with --force to "
+                    "discard the edits) and apply again",
+                    code=EXIT_DRIFT,
+                )
             say(f"already applied (revision {revision}) in {target.root}")
             return EXIT_OK
         recover_if_interrupted(target, journal)
@@ -730,41 +801,45 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if problems := base_drift(target, patch_set):
             raise ApplyError(
                 f"{target.root} is not pristine vLLM {pins['vllm']}; "
-                "nothing was written:\n  " + "\n  ".join(problems)
+                "nothing was written:\n  "
+                + "\n  ".join(problems)
                 + f"\nreinstall vllm=={pins['vllm']} (or restore these files) "
-                "and apply again", code=EXIT_DRIFT)
+                "and apply again",
+                code=EXIT_DRIFT,
+            )
         if blocked := unwritable_dirs(target, patch_set):
-            raise ApplyError("not writable by this user: "
-                             + ", ".join(blocked))
-        stage_root = Path(tempfile.mkdtemp(prefix="stage-",
-                                           dir=target.state_dir))
+            raise ApplyError("not writable by this user: " + ", ".join(blocked))
+        stage_root = Path(tempfile.mkdtemp(prefix="stage-", dir=target.state_dir))
         try:
             stage = stage_root / "tree"
             stage.mkdir()
             copy_base(stage, patch_set.patched_files, target.path)
-            failures = stage_patch_set(patch_set, stage,
-                                       overlay=patch_set.overlay)
+            failures = stage_patch_set(patch_set, stage, overlay=patch_set.overlay)
             if failures:
                 name, problems = next(iter(failures.items()))
                 raise ApplyError(
                     f"patches/{name} does not apply to {target.root}: "
                     + "; ".join(problems)
-                    + " (`python apply.py check` lists every failing hunk)")
+                    + " (`python apply.py check` lists every failing hunk)"
+                )
             byte_compile(stage, patch_set.patched_files + patch_set.overlay)
             (target.state_dir / "backups").mkdir(exist_ok=True)
             journal = new_journal(target, patch_set, stage, revision, version)
             swap_in(target, patch_set, stage, journal)
         finally:
             shutil.rmtree(stage_root, ignore_errors=True)
-    say(f"applied revision {revision} to {target.root}: "
+    say(
+        f"applied revision {revision} to {target.root}: "
         f"{len(patch_set.patches)} patch(es), "
         f"{len(patch_set.patched_files)} file(s) patched, "
-        f"{len(patch_set.overlay)} overlay file(s) added")
+        f"{len(patch_set.overlay)} overlay file(s) added"
+    )
     return EXIT_OK
 
 
-def new_journal(target: Target, patch_set: PatchSet, stage: Path,
-                revision: str, version: str | None) -> dict:
+def new_journal(
+    target: Target, patch_set: PatchSet, stage: Path, revision: str, version: str | None
+) -> dict:
     created_dirs: list[str] = []
     for rel in patch_set.overlay:
         parent = Path(rel).parent
@@ -781,13 +856,18 @@ def new_journal(target: Target, patch_set: PatchSet, stage: Path,
         "vllm_version": version or "unknown",
         "patches": [p.name for p in patch_set.patches],
         "files": [
-            {"path": rel, "base": patch_set.manifest[rel],
-             "result": sha256_file(stage / rel),
-             "backup": f"backups/{patch_set.manifest[rel]}"}
+            {
+                "path": rel,
+                "base": patch_set.manifest[rel],
+                "result": sha256_file(stage / rel),
+                "backup": f"backups/{patch_set.manifest[rel]}",
+            }
             for rel in patch_set.patched_files
         ],
-        "overlay": [{"path": rel, "result": sha256_file(stage / rel)}
-                    for rel in patch_set.overlay],
+        "overlay": [
+            {"path": rel, "result": sha256_file(stage / rel)}
+            for rel in patch_set.overlay
+        ],
         "created_dirs": created_dirs,
     }
 
@@ -801,8 +881,10 @@ def cmd_revert(args: argparse.Namespace) -> int:
             return EXIT_OK
         restored = roll_back(target, journal, force=args.force)
         finish_revert(target)
-    say(f"reverted {target.root}: {restored} file(s) back to vLLM "
-        f"{journal['vllm_version']}")
+    say(
+        f"reverted {target.root}: {restored} file(s) back to vLLM "
+        f"{journal['vllm_version']}"
+    )
     return EXIT_OK
 
 
@@ -813,24 +895,31 @@ def cmd_status(args: argparse.Namespace) -> int:
     say(f"target:   {target.root} (vLLM {target.version() or 'unknown'})")
     if journal is None:
         problems = base_drift(target, patch_set)
-        say("state:    not applied"
-            + ("; base differs from the pin:" if problems else
-               "; base matches the pin"))
+        say(
+            "state:    not applied"
+            + ("; base differs from the pin:" if problems else "; base matches the pin")
+        )
         for problem in problems:
             say(f"  {problem}")
         return EXIT_DRIFT if problems else EXIT_NOT_APPLIED
     if journal["state"] != "applied":
-        say(f"state:    interrupted {journal['state']} (started "
-            f"{journal['started']}); `make apply` or `make revert` recovers")
+        say(
+            f"state:    interrupted {journal['state']} (started "
+            f"{journal['started']}); `make apply` or `make revert` recovers"
+        )
         return EXIT_INTERRUPTED
     revision = patch_set.revision()
-    say(f"state:    applied revision {journal['revision']} at "
+    say(
+        f"state:    applied revision {journal['revision']} at "
         f"{journal['started']}"
-        + ("" if journal["revision"] == revision else
-           f" (this checkout is {revision}: make revert && make apply)"))
+        + (
+            ""
+            if journal["revision"] == revision
+            else f" (this checkout is {revision}: make revert && make apply)"
+        )
+    )
     drift = set(drifted_files(target, journal))
-    for kind, entries in (("patched", journal["files"]),
-                          ("new", journal["overlay"])):
+    for kind, entries in (("patched", journal["files"]), ("new", journal["overlay"])):
         for entry in entries:
             mark = "DRIFT" if entry["path"] in drift else "ok"
             say(f"  {mark:<6}{kind:<8}{entry['path']}")
@@ -850,11 +939,12 @@ def pristine_source(target: Target) -> Callable[[str], Path | None]:
     overlay = set()
     if journal is not None:
         if journal["state"] != "applied":
-            raise ApplyError(f"{target.root}: an interrupted "
-                             f"{journal['state']}; run `make apply` or "
-                             "`make revert` first")
-        backups = {e["path"]: target.state_dir / e["backup"]
-                   for e in journal["files"]}
+            raise ApplyError(
+                f"{target.root}: an interrupted "
+                f"{journal['state']}; run `make apply` or "
+                "`make revert` first"
+            )
+        backups = {e["path"]: target.state_dir / e["backup"] for e in journal["files"]}
         overlay = {e["path"] for e in journal["overlay"]}
 
     def source(rel: str) -> Path | None:
@@ -874,18 +964,18 @@ def cmd_check(args: argparse.Namespace) -> int:
     target = resolve_target(args.target)
     source = pristine_source(target)
     version = target.version()
-    say(f"target: {target.root} (vLLM {version or 'unknown'}, pinned "
-        f"{pins['vllm']})")
-    drift = [f"{rel}: differs from the pinned base"
-             for rel in patch_set.patched_files
-             if (path := source(rel)) is not None
-             and sha256_file(path) != patch_set.manifest[rel]]
+    say(f"target: {target.root} (vLLM {version or 'unknown'}, pinned {pins['vllm']})")
+    drift = [
+        f"{rel}: differs from the pinned base"
+        for rel in patch_set.patched_files
+        if (path := source(rel)) is not None
+        and sha256_file(path) != patch_set.manifest[rel]
+    ]
     with tempfile.TemporaryDirectory(prefix="k3-sppp-check-") as tmp:
         stage = Path(tmp) / "tree"
         stage.mkdir()
         copy_base(stage, patch_set.patched_files, source)
-        failures = stage_patch_set(patch_set, stage, overlay=[],
-                                   keep_going=True)
+        failures = stage_patch_set(patch_set, stage, overlay=[], keep_going=True)
     for patch in patch_set.patches:
         problems = failures.get(patch.name, [])
         say(f"  {'FAIL' if problems else 'ok':<5}{patch.name}")
@@ -896,12 +986,16 @@ def cmd_check(args: argparse.Namespace) -> int:
             say(f"  FAIL {rel}: exists in the target, the overlay adds it")
             failures.setdefault("vllm_overlay", []).append(rel)
     if failures:
-        say(f"{len(failures)} of {len(patch_set.patches)} patch(es) fail; "
-            "nothing was written")
+        say(
+            f"{len(failures)} of {len(patch_set.patches)} patch(es) fail; "
+            "nothing was written"
+        )
         return EXIT_ERROR
     if drift or version not in (None, pins["vllm"]):
-        say("the series applies, but the base is not the pinned "
-            f"vLLM {pins['vllm']}; `apply` will refuse:")
+        say(
+            "the series applies, but the base is not the pinned "
+            f"vLLM {pins['vllm']}; `apply` will refuse:"
+        )
         for problem in drift:
             say(f"  {problem}")
         return EXIT_DRIFT
@@ -923,15 +1017,17 @@ def commit_all(repo: Path, message: str) -> None:
     git([*GIT_IDENTITY, "commit", "-q", "--allow-empty", "-m", message], repo)
 
 
-def copy_pristine(patch_set: PatchSet, target: Target, dest: Path,
-                  rels: list[str]) -> None:
+def copy_pristine(
+    patch_set: PatchSet, target: Target, dest: Path, rels: list[str]
+) -> None:
     """Copy verified original files into ``dest``."""
     source = pristine_source(target)
     for rel in rels:
         src = source(rel)
         if src is None:
-            raise ApplyError(f"{target.root}: {rel} is missing; export needs "
-                             "the pinned vLLM sources")
+            raise ApplyError(
+                f"{target.root}: {rel} is missing; export needs the pinned vLLM sources"
+            )
         if rel in patch_set.manifest and sha256_file(src) != patch_set.manifest[rel]:
             raise ApplyError(f"{src}: not the pinned vLLM base of {rel}")
         dst = dest / rel
@@ -949,23 +1045,33 @@ def cmd_export(args: argparse.Namespace) -> int:
         make_repo(repo)
         copy_pristine(patch_set, target, repo, patch_set.patched_files)
         commit_all(repo, "base")
-        failures = stage_patch_set(patch_set, repo,
-                                   overlay=patch_set.overlay_export)
+        failures = stage_patch_set(patch_set, repo, overlay=patch_set.overlay_export)
         if failures:
             name, problems = next(iter(failures.items()))
-            raise ApplyError(f"patches/{name} does not apply: "
-                             + "; ".join(problems))
+            raise ApplyError(f"patches/{name} does not apply: " + "; ".join(problems))
         git(["add", "-A"], repo)
-        diff = git(["-c", "core.quotepath=off", "diff", "--cached",
-                    "--no-color", "--no-ext-diff", "--src-prefix=a/",
-                    "--dst-prefix=b/"], repo).stdout
+        diff = git(
+            [
+                "-c",
+                "core.quotepath=off",
+                "diff",
+                "--cached",
+                "--no-color",
+                "--no-ext-diff",
+                "--src-prefix=a/",
+                "--dst-prefix=b/",
+            ],
+            repo,
+        ).stdout
     preamble = "".join(
-        f"# {line}\n" for line in [
+        f"# {line}\n"
+        for line in [
             f"k3-sppp revision {patch_set.revision()} against vLLM "
-            f"{read_pins()['vllm']}",
+            + read_pins()["vllm"],
             *[f"{p.name}: {p.headers['Subject']}" for p in patch_set.patches],
             "Apply from a vLLM source root with `git apply`.",
-        ])
+        ]
+    )
     text = preamble + diff
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
@@ -980,20 +1086,23 @@ def write_manifest(patch_set: PatchSet, target: Target) -> Path:
     pins = read_pins()
     version = target.version()
     if version != pins["vllm"]:
-        raise ApplyError(f"{target.root}: the manifest is generated from "
-                         f"vLLM {pins['vllm']}, found {version}")
+        raise ApplyError(
+            f"{target.root}: the manifest is generated from "
+            f"vLLM {pins['vllm']}, found {version}"
+        )
     record = target.record_hashes()
     lines = [
-        f"# SHA-256 of the vLLM {pins['vllm']} files the series patches, as "
-        "shipped in the wheel",
-        "# (its dist-info RECORD). Generated by `python apply.py manifest`; "
-        "do not edit.",
-        "# `sha256sum -c` in a pristine site-packages checks them.",
+        f"# SHA-256 of the vLLM {pins['vllm']} files the series patches, as",
+        "# shipped in the wheel (its dist-info RECORD). Generated by",
+        "# `python apply.py manifest`; do not edit. In a pristine",
+        "# site-packages, `sha256sum -c` checks them.",
     ]
     for rel in patch_set.patched_files:
         if rel not in record:
-            raise ApplyError(f"{rel}: not in vLLM {pins['vllm']}'s RECORD; a "
-                             "new file belongs in vllm_overlay/, not a patch")
+            raise ApplyError(
+                f"{rel}: not in vLLM {pins['vllm']}'s RECORD; a "
+                "new file belongs in vllm_overlay/, not a patch"
+            )
         lines.append(f"{record[rel]}  {rel}")
     path = patch_set.patch_dir / MANIFEST
     write_atomic(path, ("\n".join(lines) + "\n").encode())
@@ -1010,8 +1119,10 @@ def cmd_manifest(args: argparse.Namespace) -> int:
 def cmd_lint(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
-    say(f"{len(patch_set.patches)} patch(es), "
-        f"{len(patch_set.overlay_export)} overlay file(s): consistent")
+    say(
+        f"{len(patch_set.patches)} patch(es), "
+        f"{len(patch_set.overlay_export)} overlay file(s): consistent"
+    )
     return EXIT_OK
 
 
@@ -1030,36 +1141,61 @@ def cmd_devtree(args: argparse.Namespace) -> int:
         for p in (target.root / "vllm").rglob("*.py")
         if "__pycache__" not in p.parts
     )
-    copy_pristine(patch_set, target, repo,
-                  [rel for rel in rels if rel not in overlay
-                   and source(rel) is not None])
+    copy_pristine(
+        patch_set,
+        target,
+        repo,
+        [rel for rel in rels if rel not in overlay and source(rel) is not None],
+    )
     make_repo(repo)
     commit_all(repo, f"vLLM {read_pins()['vllm']} sources")
     git(["tag", DEVTREE_BASE_TAG], repo)
     for patch in patch_set.patches:
-        proc = git([*GIT_IDENTITY, "am", "-q", "--keep-cr", str(patch.path)],
-                   repo, check=False)
+        proc = git(
+            [*GIT_IDENTITY, "am", "-q", "--keep-cr", str(patch.path)], repo, check=False
+        )
         if proc.returncode != 0:
-            raise ApplyError(f"patches/{patch.name}: `git am` failed in {repo}:"
-                             f"\n{proc.stdout}{proc.stderr}")
-    say(f"{repo}: {len(patch_set.patches)} commit(s) on tag "
+            raise ApplyError(
+                f"patches/{patch.name}: `git am` failed in {repo}:"
+                f"\n{proc.stdout}{proc.stderr}"
+            )
+    say(
+        f"{repo}: {len(patch_set.patches)} commit(s) on tag "
         f"{DEVTREE_BASE_TAG}; edit, commit (or rebase -i), then "
-        f"`python apply.py refresh {args.dir}`")
+        f"`python apply.py refresh {args.dir}`"
+    )
     return EXIT_OK
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     repo = args.dir.resolve()
-    if git(["rev-parse", "-q", "--verify", DEVTREE_BASE_TAG], repo,
-           check=False).returncode != 0:
-        raise ApplyError(f"{repo}: no tag {DEVTREE_BASE_TAG}; make it with "
-                         "`python apply.py devtree DIR`")
+    if (
+        git(
+            ["rev-parse", "-q", "--verify", DEVTREE_BASE_TAG], repo, check=False
+        ).returncode
+        != 0
+    ):
+        raise ApplyError(
+            f"{repo}: no tag {DEVTREE_BASE_TAG}; make it with "
+            "`python apply.py devtree DIR`"
+        )
     if git(["status", "--porcelain"], repo).stdout.strip():
         raise ApplyError(f"{repo}: uncommitted changes; commit them first")
     with tempfile.TemporaryDirectory(prefix="k3-sppp-refresh-") as tmp:
-        git(["format-patch", "-q", "-N", "--zero-commit", "--no-signature",
-             "-o", tmp, f"{DEVTREE_BASE_TAG}..HEAD"], repo)
+        git(
+            [
+                "format-patch",
+                "-q",
+                "-N",
+                "--zero-commit",
+                "--no-signature",
+                "-o",
+                tmp,
+                f"{DEVTREE_BASE_TAG}..HEAD",
+            ],
+            repo,
+        )
         fresh = sorted(Path(tmp).glob("*.patch"))
         for path in patch_set.patch_dir.glob("*.patch"):
             path.unlink()
@@ -1071,8 +1207,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     write_manifest(refreshed, resolve_target(args.target))
     refreshed = load_patch_set(args.patch_set)
     require_clean(refreshed)
-    say(f"wrote {len(fresh)} patch(es) and the manifest to "
-        f"{patch_set.patch_dir}")
+    say(f"wrote {len(fresh)} patch(es) and the manifest to {patch_set.patch_dir}")
     return EXIT_OK
 
 
@@ -1083,41 +1218,61 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="apply.py", description=__doc__.split("\n\n")[0],
+        prog="apply.py",
+        description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n", 1)[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--patch-set", type=Path, default=PROJECT_DIR,
-                        help="directory holding patches/ and vllm_overlay/ "
-                        "(default: this project)")
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--patch-set",
+        type=Path,
+        default=PROJECT_DIR,
+        help="directory holding patches/ and vllm_overlay/ (default: this project)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    def add(name: str, func: Callable[[argparse.Namespace], int], text: str,
-            ) -> argparse.ArgumentParser:
+    def add(
+        name: str,
+        func: Callable[[argparse.Namespace], int],
+        text: str,
+    ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
-        p.add_argument("--target", type=Path, default=None,
-                       help="site-packages, venv or vLLM checkout root "
-                       "(default: this project's .venv)")
+        p.add_argument(
+            "--target",
+            type=Path,
+            default=None,
+            help="site-packages, venv or vLLM checkout root "
+            "(default: this project's .venv)",
+        )
         p.set_defaults(func=func)
         return p
 
-    add("apply", cmd_apply, "apply the series and overlay files, all or "
-        "nothing")
-    add("revert", cmd_revert, "restore the original files byte for byte"
-        ).add_argument("--force", action="store_true",
-                       help="also overwrite files edited since apply (each "
-                       "is kept as FILE.k3-sppp-drift)")
+    add("apply", cmd_apply, "apply the series and overlay files, all or nothing")
+    add("revert", cmd_revert, "restore the original files byte for byte").add_argument(
+        "--force",
+        action="store_true",
+        help="also overwrite files edited since apply (each "
+        "is kept as FILE.k3-sppp-drift)",
+    )
     add("status", cmd_status, "what is applied where, and any drift")
     add("check", cmd_check, "dry run: name every patch and hunk that fails")
-    add("export", cmd_export, "one unified diff for an upstream pull request"
-        ).add_argument("-o", "--output", type=Path,
-                       help="write here instead of standard output")
-    add("manifest", cmd_manifest, "regenerate patches/base.sha256 from the "
-        "wheel's RECORD")
+    add(
+        "export", cmd_export, "one unified diff for an upstream pull request"
+    ).add_argument(
+        "-o", "--output", type=Path, help="write here instead of standard output"
+    )
+    add(
+        "manifest",
+        cmd_manifest,
+        "regenerate patches/base.sha256 from the wheel's RECORD",
+    )
     add("lint", cmd_lint, "check the series, headers and manifest")
-    add("devtree", cmd_devtree, "git repo of pristine sources, one commit "
-        "per patch").add_argument("dir", type=Path)
-    add("refresh", cmd_refresh, "write patches/ back from a devtree"
-        ).add_argument("dir", type=Path)
+    add(
+        "devtree", cmd_devtree, "git repo of pristine sources, one commit per patch"
+    ).add_argument("dir", type=Path)
+    add("refresh", cmd_refresh, "write patches/ back from a devtree").add_argument(
+        "dir", type=Path
+    )
     return parser
 
 
@@ -1129,9 +1284,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"apply.py {args.command}: error: {e}", file=sys.stderr)
         return e.code
     except OSError as e:
-        print(f"apply.py {args.command}: error: {e}; every file is either "
-              "original or patched, and the journal says which: fix the "
-              "cause and run the command again", file=sys.stderr)
+        print(
+            f"apply.py {args.command}: error: {e}; every file is either "
+            "original or patched, and the journal says which: fix the "
+            "cause and run the command again",
+            file=sys.stderr,
+        )
         return EXIT_ERROR
 
 

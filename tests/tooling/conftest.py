@@ -31,7 +31,8 @@ def tree_digest(root: Path) -> dict[str, str]:
     """SHA-256 of every file under ``root``, by relative path."""
     return {
         str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*")) if p.is_file()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
     }
 
 
@@ -40,17 +41,17 @@ def build_pristine(dest: Path) -> None:
     record = venv.record_hashes()
     source = apply.pristine_source(venv)
     version = apply.read_pins()["vllm"]
-    wanted = [rel for rel in record
-              if rel.startswith("vllm/") and rel.endswith(".py")]
-    wanted += [f"vllm-{version}.dist-info/{name}"
-               for name in ("METADATA", "RECORD")]
+    wanted = [rel for rel in record if rel.startswith("vllm/") and rel.endswith(".py")]
+    wanted += [f"vllm-{version}.dist-info/{name}" for name in ("METADATA", "RECORD")]
     for rel in wanted:
         src = source(rel) if rel.startswith("vllm/") else venv.path(rel)
         if src is None:
             raise RuntimeError(f"{rel}: missing from {venv.root}")
         if rel in record and apply.sha256_file(src) != record[rel]:
-            raise RuntimeError(f"{src}: not the file the vLLM {version} "
-                               "wheel ships (RECORD); reinstall it")
+            raise RuntimeError(
+                f"{src}: not the file the vLLM {version} "
+                "wheel ships (RECORD); reinstall it"
+            )
         dst = dest / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, dst)
@@ -86,21 +87,34 @@ def patch_set(target: Path, tmp_path: Path) -> Path:
     return path
 
 
-def run_tool(patch_set: Path, *args: str, user: int | None = None,
-             ) -> subprocess.CompletedProcess[str]:
+def run_tool(
+    patch_set: Path,
+    *args: str,
+    user: int | None = None,
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, str(PROJECT_DIR / "apply.py"),
-         "--patch-set", str(patch_set), *args],
-        capture_output=True, text=True, user=user, timeout=120)
+        [
+            sys.executable,
+            str(PROJECT_DIR / "apply.py"),
+            "--patch-set",
+            str(patch_set),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        user=user,
+        timeout=120,
+    )
 
 
 @pytest.fixture
-def tool(patch_set: Path, target: Path,
-         ) -> Callable[..., subprocess.CompletedProcess[str]]:
+def tool(
+    patch_set: Path,
+    target: Path,
+) -> Callable[..., subprocess.CompletedProcess[str]]:
     """Run apply.py on the test target: ``tool("apply")``."""
 
     def run(command: str, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
-        return run_tool(patch_set, command, "--target", str(target), *args,
-                        **kwargs)
+        return run_tool(patch_set, command, "--target", str(target), *args, **kwargs)
 
     return run

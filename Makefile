@@ -1,0 +1,72 @@
+# k3-sppp: Kimi K3 sequence parallelism across pipeline stages, on vLLM.
+#
+#   make apply          pinned vLLM into .venv (if absent), verify, apply
+#   make test           unit, distributed (CPU, gloo) and tooling tests
+#   make revert         byte-identical original vLLM again (FORCE=1: also
+#                       files edited since apply, each kept as *.k3-sppp-drift)
+#   make status         what is applied where, and any drift
+#   make check          dry run: which patch and hunk would fail
+#   make pr-diff        one diff for an upstream vLLM pull request
+#   make lint           ruff and the series' consistency
+#   make manifest       regenerate patches/base.sha256 from the wheel's RECORD
+#   make setup          only the pinned .venv
+#
+# VLLM=/path points apply, revert, status and check at your own vLLM
+# (site-packages, venv, checkout root or the vllm/ package) instead of .venv.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+pin = $(shell sed -n 's/^$(1) *= *//p' setup.cfg)
+PYTHON ?= $(call pin,python)
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.k3-sppp-setup
+TARGET := $(if $(VLLM),--target $(VLLM))
+APPLY := python3 apply.py
+PYTEST_ARGS ?=
+
+.PHONY: help setup apply revert status check test lint manifest pr-diff
+
+help:
+	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
+
+setup: $(STAMP)
+
+$(STAMP): setup.cfg
+	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install --quiet "vllm==$(call pin,vllm)" \
+		"torch==$(call pin,torch)" $(call pin,dev)
+	$(VPY) -c 'import importlib.metadata as m, sys; \
+		got = {p: m.version(p).split("+")[0] for p in ("vllm", "torch")}; \
+		want = {"vllm": "$(call pin,vllm)", "torch": "$(call pin,torch)"}; \
+		sys.exit(0 if got == want else f"pins not met: {got} != {want}")'
+	@touch $@
+
+apply: $(if $(VLLM),,setup)
+	$(APPLY) apply $(TARGET)
+
+revert:
+	$(APPLY) revert $(TARGET) $(if $(FORCE),--force)
+
+status:
+	$(APPLY) status $(TARGET)
+
+check:
+	$(APPLY) check $(TARGET)
+
+# Tests always run in .venv, so they apply there whatever VLLM says.
+test: setup
+	$(APPLY) apply
+	$(VPY) -m pytest $(PYTEST_ARGS)
+
+lint: setup
+	$(VPY) -m ruff check .
+	$(VPY) -m ruff format --check .
+	$(APPLY) lint
+
+manifest: setup
+	$(APPLY) manifest
+
+pr-diff: setup
+	$(APPLY) export $(TARGET) -o build/k3-sppp-vllm-$(call pin,vllm).diff
