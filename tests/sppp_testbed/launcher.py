@@ -1,0 +1,168 @@
+# SPDX-License-Identifier: Apache-2.0
+"""TP×PP ranks as real processes over gloo, started once, running many cases.
+
+Each rank initialises vLLM's own distributed state
+(``init_distributed_environment`` + ``initialize_model_parallel``) on the CPU,
+then waits for cases: a picklable top-level function and its arguments. A case
+runs in every rank; its per-rank results come back in rank order. A rank that
+raises, dies or overruns the deadline fails the case with the rank and its
+traceback, and the pool is torn down (its peers may be stuck in a collective)
+and started afresh on the next case.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+START_TIMEOUT_S = 180.0
+CASE_TIMEOUT_S = 120.0
+
+
+class RankFailure(AssertionError):
+    """A case failed in one or more ranks."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    tp: int,
+    pp: int,
+    port: int,
+    tasks: mp.Queue,
+    results: mp.Queue,
+) -> None:
+    try:
+        from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
+        from vllm.distributed import (
+            init_distributed_environment,
+            initialize_model_parallel,
+        )
+
+        config = VllmConfig(
+            parallel_config=ParallelConfig(
+                tensor_parallel_size=tp, pipeline_parallel_size=pp
+            )
+        )
+        with set_current_vllm_config(config):
+            init_distributed_environment(
+                world_size=tp * pp,
+                rank=rank,
+                distributed_init_method=f"tcp://127.0.0.1:{port}",
+                local_rank=rank,
+                backend="gloo",
+            )
+            initialize_model_parallel(tp, pp)
+        results.put((rank, "ready", None))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while (task := tasks.get()) is not None:
+        func, args = task
+        try:
+            results.put((rank, "ok", func(*args)))
+        except BaseException:
+            results.put((rank, "error", traceback.format_exc()))
+
+
+class RankPool:
+    """``tp * pp`` rank processes; global rank ``r`` is TP rank ``r % tp`` of
+    PP stage ``r // tp``, as vLLM's ``initialize_model_parallel`` lays them out.
+    """
+
+    def __init__(self, tp: int, pp: int) -> None:
+        self.tp, self.pp = tp, pp
+        self.world = tp * pp
+        self._procs: list[mp.Process] = []
+
+    def __repr__(self) -> str:
+        return f"RankPool(TP{self.tp}xPP{self.pp})"
+
+    def start(self) -> None:
+        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # inherited by every rank
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world)]
+        port = _free_port()
+        self._procs = [
+            ctx.Process(
+                target=_rank_main,
+                args=(r, self.tp, self.pp, port, self._tasks[r], self._results),
+                daemon=True,
+            )
+            for r in range(self.world)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self._collect("start-up", START_TIMEOUT_S, expect="ready")
+
+    def run(
+        self,
+        func: Callable[..., Any],
+        *args: Any,
+        timeout: float = CASE_TIMEOUT_S,
+    ) -> list[Any]:
+        """Run ``func(*args)`` in every rank; return the results by rank."""
+        if not self._procs:
+            self.start()
+        for task_queue in self._tasks:
+            task_queue.put((func, args))
+        return self._collect(f"{func.__name__}{args!r}", timeout, expect="ok")
+
+    def _collect(self, what: str, timeout: float, expect: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(results) + len(errors) < self.world:
+            try:
+                rank, status, value = self._results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
+                missing = sorted(
+                    set(range(self.world)) - results.keys() - errors.keys()
+                )
+                if dead and set(missing) <= set(dead):
+                    errors.update({r: "the process died" for r in missing})
+                elif time.monotonic() > deadline or dead:
+                    self.close(kill=True)
+                    raise RankFailure(
+                        f"{self!r} {what}: no answer from rank(s) {missing} "
+                        f"within {timeout:.0f} s"
+                        + (f"; rank(s) {dead} died" if dead else "")
+                    ) from None
+                continue
+            if status == expect:
+                results[rank] = value
+            else:
+                errors[rank] = value
+        if errors:
+            self.close(kill=True)
+            detail = "\n".join(
+                f"--- rank {r} (TP {r % self.tp}, PP {r // self.tp}) ---\n{tb}"
+                for r, tb in sorted(errors.items())
+            )
+            raise RankFailure(f"{self!r} {what} failed:\n{detail}")
+        return [results[r] for r in range(self.world)]
+
+    def close(self, kill: bool = False) -> None:
+        """Stop every rank; ``kill`` for ranks that may sit in a collective."""
+        for task_queue in getattr(self, "_tasks", []) if not kill else []:
+            task_queue.put(None)
+        for proc in self._procs:
+            proc.join(timeout=0 if kill else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        self._procs = []
