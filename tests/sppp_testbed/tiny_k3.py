@@ -1,0 +1,203 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A tiny Kimi K3 built from vLLM's own classes, runnable on the CPU.
+
+``KimiLinearModel`` and ``KimiDecoderLayer`` are constructed and run by their
+real ``__init__`` and ``forward``: embeddings, norms, dense ``KimiMLP`` with
+TP-sharded weights, ``make_layers``' PP split and every SP collective are
+vLLM's. Only the classes whose kernels need a GPU are replaced, in the model
+module's namespace, for the duration of the build:
+
+- attention (KDA and MLA): :class:`SequenceMixer`, a causal weighted prefix
+  mean over the whole sequence followed by a real ``RowParallelLinear``
+  ``o_proj``, so a wrong row order, a missing gather or a double shard
+  changes the output, and the layer's own ``reduce_results``/reduce-scatter
+  logic applies unchanged;
+- MoE: :class:`TokenwiseExperts`, a per-token map with replicated weights.
+
+Weights are drawn from a seed per parameter name at full size and loaded
+through each parameter's own ``weight_loader``, so every rank holds its shard
+of the same full model. Everything runs in float64: results differ from the
+single-process reference only by summation order across TP shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import zlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+from vllm.config import (
+    CompilationConfig,
+    KernelConfig,
+    ParallelConfig,
+    VllmConfig,
+    set_current_vllm_config,
+)
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
+from vllm.model_executor.layers.vocab_parallel_embedding import (
+    VocabParallelEmbedding,
+)
+from vllm.models.kimi_k3.nvidia import model as k3
+from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+
+DTYPE = torch.float64
+HIDDEN = 64
+VOCAB = 128
+NUM_LAYERS = 4
+
+
+class SequenceMixer(nn.Module):
+    """Attention stand-in: mixes every earlier token into each token."""
+
+    def __init__(self, config: KimiLinearConfig, *args, prefix: str = "", **kwargs):
+        super().__init__()
+        hidden = config.hidden_size
+        self.value = nn.Parameter(torch.empty(hidden, hidden))
+        self.o_proj = RowParallelLinear(
+            hidden, hidden, bias=False, prefix=f"{prefix}.o_proj"
+        )
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor):
+        rows = hidden_states.shape[0]
+        assert positions.shape[0] == rows, "attention sees the whole sequence"
+        weight = 1.0 + 0.01 * torch.arange(rows, dtype=hidden_states.dtype)
+        count = torch.arange(1, rows + 1, dtype=hidden_states.dtype)
+        mixed = torch.cumsum(hidden_states * weight[:, None], dim=0) / count[:, None]
+        mixed = mixed @ self.value
+        tp_size = get_tensor_model_parallel_world_size()
+        width = mixed.shape[1] // tp_size
+        start = get_tensor_model_parallel_rank() * width
+        output, _ = self.o_proj(mixed[:, start : start + width].contiguous())
+        return output
+
+
+class TokenwiseExperts(nn.Module):
+    """MoE stand-in: a per-token map, the same on every rank."""
+
+    def __init__(self, config: KimiLinearConfig, *args, prefix: str = "", **kwargs):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(config.hidden_size, config.hidden_size))
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(hidden_states @ self.weight)
+
+
+STAND_INS = {
+    "KimiK3DeltaAttention": SequenceMixer,
+    "KimiLinearGatedDeltaNetAttention": SequenceMixer,
+    "MultiHeadLatentAttention": SequenceMixer,
+    "KimiMoE": TokenwiseExperts,
+}
+
+
+def tiny_config(attn_res: bool = False) -> KimiLinearConfig:
+    return KimiLinearConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=96,
+        num_hidden_layers=NUM_LAYERS,
+        num_attention_heads=4,
+        num_experts=4,
+        num_experts_per_token=2,
+        first_k_dense_replace=1,
+        linear_attn_config={
+            "kda_layers": [1, 3],
+            "full_attn_layers": [2, 4],
+            "use_full_rank_gate": True,
+        },
+        attn_res_block_size=2 if attn_res else None,
+        mla_use_nope=True,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=0,
+        v_head_dim=16,
+        kv_lora_rank=32,
+    )
+
+
+def scenario_config(
+    tp: int, pp: int, *, sp: bool, attn_res: bool = False
+) -> VllmConfig:
+    """A VllmConfig whose options ask for SP (EP, TP>1, MegaMoE) or not."""
+    config = VllmConfig(
+        parallel_config=ParallelConfig(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            enable_expert_parallel=sp,
+        ),
+        kernel_config=KernelConfig(moe_backend="deep_gemm_mega_moe" if sp else "auto"),
+        compilation_config=CompilationConfig(custom_ops=["none"]),
+    )
+    hf_config = tiny_config(attn_res)
+    # No checkpoint to read: the model only asks its ModelConfig for these.
+    object.__setattr__(
+        config,
+        "model_config",
+        types.SimpleNamespace(
+            hf_text_config=hf_config, hf_config=hf_config, dtype=DTYPE
+        ),
+    )
+    return config
+
+
+@contextlib.contextmanager
+def stand_ins() -> Iterator[None]:
+    saved = {name: getattr(k3, name) for name in STAND_INS}
+    saved_stream = torch.cuda.Stream
+    try:
+        for name, cls in STAND_INS.items():
+            setattr(k3, name, cls)
+        torch.cuda.Stream = lambda *args, **kwargs: None  # no CUDA streams on CPU
+        yield
+    finally:
+        for name, cls in saved.items():
+            setattr(k3, name, cls)
+        torch.cuda.Stream = saved_stream
+
+
+def full_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full-size tensor for ``name``: the same in every rank and stage."""
+    generator = torch.Generator().manual_seed(
+        seed * 1_000_003 + zlib.crc32(name.encode())
+    )
+    values = torch.randn(shape, generator=generator, dtype=DTYPE)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * values
+    return values / shape[-1] ** 0.5
+
+
+def load_seeded_weights(model: nn.Module, seed: int) -> None:
+    """Give every parameter its slice of the seeded full model."""
+    for module_name, module in model.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            loader = getattr(param, "weight_loader", None)
+            if isinstance(module, LinearBase) and param_name == "weight":
+                shape = (module.output_size, module.input_size)
+            elif isinstance(module, VocabParallelEmbedding):
+                shape = (module.org_vocab_size, module.embedding_dim)
+            else:
+                shape, loader = tuple(param.shape), None
+            tensor = full_weight(name, shape, seed)
+            if loader is None:
+                param.data.copy_(tensor)
+            else:
+                loader(param, tensor)
+    for module in model.modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(module)
+
+
+def build_model(config: VllmConfig, seed: int = 0) -> k3.KimiLinearModel:
+    torch.set_default_dtype(DTYPE)
+    with set_current_vllm_config(config), stand_ins():
+        model = k3.KimiLinearModel(vllm_config=config, prefix="model")
+    load_seeded_weights(model, seed)
+    return model.eval()
