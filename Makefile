@@ -9,6 +9,8 @@
 #   make pr-diff        one diff for an upstream vLLM pull request
 #   make lint           ruff and the series' consistency
 #   make manifest       regenerate patches/base.sha256 from the wheel's RECORD
+#   make comm-report    what one step communicates, per rank and phase, on
+#                       real CPU ranks (COMM_ARGS="--tp 2 --pp 2 --tokens 17")
 #   make setup          only the pinned .venv
 #
 # VLLM=/path points apply, revert, status and check at your own vLLM
@@ -26,7 +28,7 @@ TARGET := $(if $(VLLM),--target $(VLLM))
 APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
-.PHONY: help setup apply revert status check test lint manifest pr-diff
+.PHONY: help setup apply revert status check test lint manifest pr-diff comm-report
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -70,3 +72,6 @@ manifest: setup
 
 pr-diff: setup
 	$(APPLY) export $(TARGET) -o build/k3-sppp-vllm-$(call pin,vllm).diff
+
+comm-report: setup
+	$(VPY) -m tests.sppp_testbed.comm_report $(COMM_ARGS)

@@ -1,7 +1,74 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Distributed tests run vLLM's distributed layer on the CPU, over gloo."""
+"""Distributed tests run vLLM's distributed layer on the CPU, over gloo.
 
+Rank pools are expensive to start (~15 s) and cheap to reuse, so pools live
+for the session, one per topology (tests pick theirs with ``topologies``),
+with at most ``MAX_LIVE_RANKS`` rank processes (~1 GB each) alive at once.
+The single-process reference is memoised per scenario.
+"""
+
+import dataclasses
 import os
 
 # Before any vLLM import, here and in every spawned rank (which inherits it).
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+
+import pytest  # noqa: E402
+
+from tests.sppp_testbed.launcher import RankPool  # noqa: E402
+from tests.sppp_testbed.stages import Scenario, StageResult, run_step  # noqa: E402
+
+PRELOAD = ("tests.sppp_testbed.stages",)
+
+
+def topologies(*shapes: tuple[int, int]):
+    """Parametrize a test over TP×PP pools: ``@topologies((2, 2), (1, 2))``.
+
+    Module-scoped parameters make pytest run each pool's tests together.
+    """
+    ids = [f"TP{tp}xPP{pp}" for tp, pp in shapes]
+    return pytest.mark.parametrize(
+        "pool", shapes, ids=ids, indirect=True, scope="module"
+    )
+
+
+MAX_LIVE_RANKS = 8
+
+
+@pytest.fixture(scope="session")
+def pools():
+    live: dict[tuple[int, int], RankPool] = {}
+
+    def get(tp: int, pp: int) -> RankPool:
+        if (tp, pp) not in live:
+            while (
+                live and sum(p.world for p in live.values()) + tp * pp > MAX_LIVE_RANKS
+            ):
+                live.pop(next(iter(live))).close()  # the oldest
+            live[(tp, pp)] = RankPool(tp, pp, preload=PRELOAD)
+        return live[(tp, pp)]
+
+    yield get
+    for pool in live.values():
+        pool.close()
+
+
+@pytest.fixture(scope="module")
+def pool(request, pools) -> RankPool:
+    return pools(*request.param)
+
+
+@pytest.fixture(scope="session")
+def reference():
+    """The TP1×PP1 result of a scenario (SP is meaningless there)."""
+    pool = RankPool(tp=1, pp=1, preload=PRELOAD)
+    results: dict[Scenario, StageResult] = {}
+
+    def result(scenario: Scenario) -> StageResult:
+        key = dataclasses.replace(scenario, sp=False, fault="")
+        if key not in results:
+            (results[key],) = pool.run(run_step, key)
+        return results[key]
+
+    yield result
+    pool.close()

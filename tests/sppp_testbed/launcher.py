@@ -1,6 +1,10 @@
 # SPDX-License-Identifier: Apache-2.0
 """TP×PP ranks as real processes over gloo, started once, running many cases.
 
+``preload`` names modules every rank imports at start-up, so the (heavy)
+vLLM model imports are paid while all ranks start together, not inside the
+first case's deadline.
+
 Each rank initialises vLLM's own distributed state
 (``init_distributed_environment`` + ``initialize_model_parallel``) on the CPU,
 then waits for cases: a picklable top-level function and its arguments. A case
@@ -12,6 +16,7 @@ and started afresh on the next case.
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import socket
@@ -24,6 +29,7 @@ import torch.multiprocessing as mp
 
 START_TIMEOUT_S = 180.0
 CASE_TIMEOUT_S = 120.0
+ERROR_GRACE_S = 5.0
 
 
 class RankFailure(AssertionError):
@@ -41,10 +47,17 @@ def _rank_main(
     tp: int,
     pp: int,
     port: int,
+    preload: tuple[str, ...],
     tasks: mp.Queue,
     results: mp.Queue,
 ) -> None:
     try:
+        import torch
+
+        # tp * pp ranks share a few cores: one intra-op thread each.
+        torch.set_num_threads(1)
+        for module in preload:
+            importlib.import_module(module)
         from vllm.config import ParallelConfig, VllmConfig, set_current_vllm_config
         from vllm.distributed import (
             init_distributed_environment,
@@ -82,8 +95,9 @@ class RankPool:
     PP stage ``r // tp``, as vLLM's ``initialize_model_parallel`` lays them out.
     """
 
-    def __init__(self, tp: int, pp: int) -> None:
+    def __init__(self, tp: int, pp: int, preload: tuple[str, ...] = ()) -> None:
         self.tp, self.pp = tp, pp
+        self.preload = preload
         self.world = tp * pp
         self._procs: list[mp.Process] = []
 
@@ -99,7 +113,15 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_rank_main,
-                args=(r, self.tp, self.pp, port, self._tasks[r], self._results),
+                args=(
+                    r,
+                    self.tp,
+                    self.pp,
+                    port,
+                    self.preload,
+                    self._tasks[r],
+                    self._results,
+                ),
                 daemon=True,
             )
             for r in range(self.world)
@@ -135,6 +157,10 @@ class RankPool:
                 )
                 if dead and set(missing) <= set(dead):
                     errors.update({r: "the process died" for r in missing})
+                elif errors and time.monotonic() > deadline:
+                    errors.update(
+                        {r: "(no answer: stuck after a peer failed)" for r in missing}
+                    )
                 elif time.monotonic() > deadline or dead:
                     self.close(kill=True)
                     raise RankFailure(
@@ -147,6 +173,8 @@ class RankPool:
                 results[rank] = value
             else:
                 errors[rank] = value
+                # Peers may now wait forever in a collective with this rank.
+                deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if errors:
             self.close(kill=True)
             detail = "\n".join(

@@ -1,20 +1,99 @@
 # SPDX-License-Identifier: Apache-2.0
-"""One forward of the tiny Kimi K3 across PP stages, chained as vLLM's worker
-chains them (``GPUWorker.execute_model``): non-first stages ``irecv`` into an
-``AsyncIntermediateTensors``, non-last stages ``isend`` their output, both
-with the TP group as ``all_gather_group`` and the model's transport
-overrides as ``all_gather_tensors`` when it has them (DESIGN contract 4).
+"""One step of the tiny Kimi K3 across PP stages, chained as vLLM chains them.
+
+As ``GPUWorker.execute_model`` does: non-first stages ``irecv_tensor_dict``
+into an ``AsyncIntermediateTensors``, non-last stages ``isend_tensor_dict``
+their output, both with the TP group as ``all_gather_group`` and the model's
+transport overrides as ``all_gather_tensors`` when it has them (DESIGN
+contract 4). Middle stages relay earlier stages' aux hidden states with the
+V2 runner's own ``PPHandler.relay_aux_hidden_states``.
 """
 
 from __future__ import annotations
+
+import types
+from dataclasses import dataclass
 
 import torch
 from vllm.config import set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.sequence import IntermediateTensors
+from vllm.v1.worker.gpu.pp_utils import PPHandler
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+    aux_hidden_state_relay_keys,
+)
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
-from tests.sppp_testbed.tiny_k3 import VOCAB, build_model, scenario_config
+from tests.sppp_testbed.accounting import CommLedger
+from tests.sppp_testbed.tiny_k3 import (
+    VOCAB,
+    build_model,
+    k3,
+    scenario_config,
+    stand_ins,
+)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What one step runs: the options a user would set, and the batch."""
+
+    sp: bool
+    num_tokens: int
+    attn_res: bool = False
+    aux_layers: tuple[int, ...] = ()
+    seed: int = 0
+    fault: str = ""  # a known bug to inject (see FAULTS), to prove it is caught
+
+    def __str__(self) -> str:
+        options = [f"N={self.num_tokens}", "SP" if self.sp else "no SP"]
+        if self.attn_res:
+            options.append("AttnRes")
+        if self.aux_layers:
+            options.append(f"aux={list(self.aux_layers)}")
+        if self.fault:
+            options.append(f"fault={self.fault}")
+        return ", ".join(options)
+
+
+@dataclass
+class StageResult:
+    sequence_parallel: bool
+    layers: tuple[int, int]
+    ledger: CommLedger
+    hidden_states: torch.Tensor | None = None
+    aux_hidden_states: list[torch.Tensor] | None = None
+
+
+def gather_by_shape(model: torch.nn.Module) -> None:
+    """A gather skipped because a row count, not the SP flag, decided."""
+    gather = k3.sp_all_gather
+    k3.sp_all_gather = lambda x: x if x.shape[0] == 1 else gather(x)
+
+
+def shift_aux_slots(model: torch.nn.Module) -> None:
+    """The first stage numbers its aux slots from 1 instead of 0."""
+    if get_pp_group().is_first_rank:
+        model._aux_slot_base_cached += 1
+
+
+def expect_extra_aux_key(model: torch.nn.Module) -> None:
+    """The last stage expects one relayed aux key more than was sent."""
+    if get_pp_group().is_last_rank:
+        model._aux_upstream_total_cached += 1
+
+
+def pad_batch_to_tp(model: torch.nn.Module) -> None:
+    """Handled in :func:`run_step`: the batch is padded to TP rows and the
+    padding is never trimmed, as a runner that forgets ``N`` would do."""
+
+
+FAULTS = {
+    "gather_by_shape": gather_by_shape,
+    "pad_batch_to_tp": pad_batch_to_tp,
+    "shift_aux_slots": shift_aux_slots,
+    "expect_extra_aux_key": expect_extra_aux_key,
+}
 
 
 def transport_overrides(model: torch.nn.Module) -> dict[str, bool] | None:
@@ -27,34 +106,68 @@ def token_ids(num_tokens: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (num_tokens,), generator=generator)
 
 
-def forward_stages(
-    sp: bool, num_tokens: int, attn_res: bool = False, seed: int = 0
-) -> dict:
-    """Run in every rank; the last stage returns the model's output."""
+def run_step(scenario: Scenario) -> StageResult:
+    """Run in every rank; the last stage's result carries the outputs."""
     tp_group, pp_group = get_tp_group(), get_pp_group()
     config = scenario_config(
-        tp_group.world_size, pp_group.world_size, sp=sp, attn_res=attn_res
+        tp_group.world_size,
+        pp_group.world_size,
+        sp=scenario.sp,
+        attn_res=scenario.attn_res,
     )
-    model = build_model(config, seed)
-    overrides = transport_overrides(model)
-    positions = torch.arange(num_tokens)
-    with set_current_vllm_config(config), torch.no_grad():
+    ledger = CommLedger()
+    with (
+        set_current_vllm_config(config),
+        stand_ins(),
+        torch.no_grad(),
+        ledger.watching(tp_group, pp_group),
+    ):
+        model = build_model(config, scenario.seed)
+        if scenario.aux_layers:
+            model._set_aux_hidden_state_layers(scenario.aux_layers)
+        if scenario.fault:
+            FAULTS[scenario.fault](model)
+        ledger.watch_stage(model)
+        overrides = transport_overrides(model)
+        result = StageResult(
+            model.use_sequence_parallel, (model.start_layer, model.end_layer), ledger
+        )
         intermediate = None
         if not pp_group.is_first_rank:
-            tensors, handles, postprocess = pp_group.irecv_tensor_dict(
-                all_gather_group=tp_group, all_gather_tensors=overrides
-            )
-            intermediate = AsyncIntermediateTensors(
-                tensors, comm_handles=handles, comm_postprocess=postprocess
-            )
-            intermediate.wait_for_comm()
-        output = model(token_ids(num_tokens, seed), positions, intermediate)
+            with ledger.in_phase("PP recv"):
+                tensors, handles, postprocess = pp_group.irecv_tensor_dict(
+                    all_gather_group=tp_group, all_gather_tensors=overrides
+                )
+                intermediate = AsyncIntermediateTensors(
+                    tensors, comm_handles=handles, comm_postprocess=postprocess
+                )
+                intermediate.wait_for_comm()
+        num_tokens = scenario.num_tokens
+        if scenario.fault == "pad_batch_to_tp":
+            num_tokens = max(num_tokens, tp_group.world_size)
+        ids = token_ids(scenario.num_tokens, scenario.seed)
+        ids = torch.cat([ids, ids.new_zeros(num_tokens - ids.shape[0])])
+        with ledger.in_phase("layers"):
+            output = model(ids, torch.arange(num_tokens), intermediate)
         if not pp_group.is_last_rank:
             assert isinstance(output, IntermediateTensors)
-            for handle in pp_group.isend_tensor_dict(
-                output.tensors, all_gather_group=tp_group, all_gather_tensors=overrides
-            ):
-                if handle is not None:
-                    handle.wait()
-            return {"sequence_parallel": model.use_sequence_parallel, "output": None}
-    return {"sequence_parallel": model.use_sequence_parallel, "output": output}
+            relay = types.SimpleNamespace(
+                aux_hidden_state_relay_keys=aux_hidden_state_relay_keys(
+                    types.SimpleNamespace(model=model)
+                )
+            )
+            output = PPHandler.relay_aux_hidden_states(relay, intermediate, output)
+            with ledger.in_phase("PP send"):
+                for handle in pp_group.isend_tensor_dict(
+                    output.tensors,
+                    all_gather_group=tp_group,
+                    all_gather_tensors=overrides,
+                ):
+                    if handle is not None:
+                        handle.wait()
+            return result
+    if isinstance(output, tuple):
+        result.hidden_states, result.aux_hidden_states = output
+    else:
+        result.hidden_states = output
+    return result

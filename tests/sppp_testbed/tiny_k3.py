@@ -12,7 +12,8 @@ module's namespace, for the duration of the build:
   ``o_proj``, so a wrong row order, a missing gather or a double shard
   changes the output, and the layer's own ``reduce_results``/reduce-scatter
   logic applies unchanged;
-- MoE: :class:`TokenwiseExperts`, a per-token map with replicated weights.
+- MoE: :class:`TokenwiseExperts`, a per-token map with replicated weights;
+- ``attn_res`` (Triton or SM100-native only): :func:`attn_res_reference`.
 
 Weights are drawn from a seed per parameter name at full size and loaded
 through each parameter's own ``weight_loader``, so every rank holds its shard
@@ -89,11 +90,48 @@ class TokenwiseExperts(nn.Module):
         return torch.tanh(hidden_states @ self.weight)
 
 
+def attn_res_reference(
+    prefix: torch.Tensor,
+    delta: torch.Tensor | None,
+    blocks: torch.Tensor,
+    norm_weight: torch.Tensor,
+    qk_weight: torch.Tensor,
+    output_norm_weight: torch.Tensor | None,
+    num_blocks: int,
+    block_write_idx: int,
+    eps: float,
+    output_norm_eps: float,
+) -> torch.Tensor:
+    """Pure-torch ``attn_res`` (the op is Triton or SM100-native only).
+
+    Per token: ``prefix += delta`` in place; optionally store it as block
+    ``block_write_idx``; softmax-mix the first ``num_blocks`` blocks and the
+    prefix by RMS-normalised logits against ``norm_weight * qk_weight``; then
+    an optional output RMSNorm.
+    """
+    if delta is not None:
+        prefix.add_(delta)
+    if block_write_idx >= 0:
+        blocks[:, block_write_idx].copy_(prefix)
+    if num_blocks == 0:
+        mixed = prefix.clone()
+    else:
+        sources = torch.cat([blocks[:, :num_blocks], prefix[:, None]], dim=1)
+        rms = torch.rsqrt(sources.pow(2).mean(dim=-1) + eps)
+        logits = (sources * (norm_weight * qk_weight)).sum(dim=-1) * rms
+        mixed = (logits.softmax(dim=1)[..., None] * sources).sum(dim=1)
+    if output_norm_weight is None:
+        return mixed
+    rms = torch.rsqrt(mixed.pow(2).mean(dim=-1, keepdim=True) + output_norm_eps)
+    return mixed * rms * output_norm_weight
+
+
 STAND_INS = {
     "KimiK3DeltaAttention": SequenceMixer,
     "KimiLinearGatedDeltaNetAttention": SequenceMixer,
     "MultiHeadLatentAttention": SequenceMixer,
     "KimiMoE": TokenwiseExperts,
+    "attn_res": attn_res_reference,
 }
 
 
@@ -148,7 +186,9 @@ def scenario_config(
 
 @contextlib.contextmanager
 def stand_ins() -> Iterator[None]:
-    saved = {name: getattr(k3, name) for name in STAND_INS}
+    """Swap the GPU-only classes in, and restore the module afterwards
+    (including ``sp_all_gather``, which fault injections may replace)."""
+    saved = {name: getattr(k3, name) for name in (*STAND_INS, "sp_all_gather")}
     saved_stream = torch.cuda.Stream
     try:
         for name, cls in STAND_INS.items():
@@ -196,8 +236,9 @@ def load_seeded_weights(model: nn.Module, seed: int) -> None:
 
 
 def build_model(config: VllmConfig, seed: int = 0) -> k3.KimiLinearModel:
+    """Build under :func:`stand_ins`, which must also cover the forward."""
     torch.set_default_dtype(DTYPE)
-    with set_current_vllm_config(config), stand_ins():
+    with set_current_vllm_config(config):
         model = k3.KimiLinearModel(vllm_config=config, prefix="model")
     load_seeded_weights(model, seed)
     return model.eval()

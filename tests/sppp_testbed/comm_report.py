@@ -1,0 +1,101 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Print what one step of the tiny Kimi K3 communicates, per rank and phase.
+
+    python -m tests.sppp_testbed.comm_report --tp 2 --pp 2 --tokens 17 --sp \
+        --aux 0,2,3
+
+Runs the scenario on real ranks (CPU, gloo) and prints Markdown: a table of
+calls and bytes per rank, phase and operation, and a table of every tensor
+that crosses a PP boundary with the shape that actually travels. Bytes are
+float64 here; multiply by 1/4 for bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import apply
+from tests.sppp_testbed.launcher import RankPool
+from tests.sppp_testbed.stages import Scenario, StageResult, run_step
+
+
+def patch_state() -> str:
+    """Which vLLM the ranks ran, and whether the patch set was applied."""
+    import vllm
+
+    target = apply.resolve_target(Path(vllm.__file__).parent)
+    journal = target.read_journal()
+    applied = (
+        f"k3-sppp revision {journal['revision']} applied"
+        if journal and journal["files"] + journal["overlay"]
+        else "unpatched"
+    )
+    return f"vLLM {vllm.__version__}, {applied}"
+
+
+def render(scenario: Scenario, tp: int, results: list[StageResult]) -> str:
+    sp_on = sorted({r.sequence_parallel for r in results})
+    lines = [
+        f"### TP{tp}×PP{len(results) // tp}, {scenario}",
+        "",
+        f"{patch_state()}; SP in effect: {', '.join(map(str, sp_on))}",
+        "",
+        "| rank | stage layers | phase | op | calls | bytes |",
+        "| --- | --- | --- | --- | ---: | ---: |",
+    ]
+    for rank, result in enumerate(results):
+        layers = f"{result.layers[0]}–{result.layers[1] - 1}"
+        for (phase, op), (calls, nbytes) in result.ledger.summary().items():
+            lines.append(
+                f"| {rank} | {layers} | {phase} | {op} | {calls} | {nbytes:,} |"
+            )
+    lines += [
+        "",
+        "| rank | direction | key | shape on the wire | bytes |",
+        "| --- | --- | --- | --- | ---: |",
+    ]
+    for rank, result in enumerate(results):
+        for record in result.ledger.records:
+            if record.op in ("pp_send", "pp_recv"):
+                lines.append(
+                    f"| {rank} | {record.op[3:]} | {record.key} | "
+                    f"{tuple(record.shape)} | {record.nbytes:,} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tp", type=int, default=2)
+    parser.add_argument("--pp", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=17)
+    parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--attn-res", action="store_true")
+    parser.add_argument(
+        "--aux",
+        default="0,2,3",
+        help="aux hidden-state layers, comma-separated ('' for none)",
+    )
+    args = parser.parse_args(argv)
+    scenario = Scenario(
+        sp=args.sp,
+        num_tokens=args.tokens,
+        attn_res=args.attn_res,
+        aux_layers=tuple(int(x) for x in args.aux.split(",") if x),
+    )
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    print(f"starting TP{args.tp}×PP{args.pp} ranks ...", file=sys.stderr, flush=True)
+    pool = RankPool(args.tp, args.pp)
+    try:
+        results = pool.run(run_step, scenario)
+    finally:
+        pool.close()
+    sys.stdout.write(render(scenario, args.tp, results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
