@@ -3,7 +3,7 @@
 
 Rank pools are expensive to start (~15 s) and cheap to reuse, so pools live
 for the session, one per topology (tests pick theirs with ``topologies``),
-with at most ``MAX_LIVE_RANKS`` rank processes (~1 GB each) alive at once.
+with at most ``MAX_LIVE_RANKS`` rank processes (~1.2 GB each) alive at once.
 The single-process reference is memoised per scenario.
 """
 
@@ -32,21 +32,22 @@ def topologies(*shapes: tuple[int, int]):
     )
 
 
-MAX_LIVE_RANKS = 8
+MAX_LIVE_RANKS = 12
 
 
 @pytest.fixture(scope="session")
 def pools():
-    live: dict[tuple[int, int], RankPool] = {}
+    live: dict[tuple[int, int, str | None], RankPool] = {}
 
-    def get(tp: int, pp: int) -> RankPool:
-        if (tp, pp) not in live:
+    def get(tp: int, pp: int, vllm_root: str | None = None) -> RankPool:
+        key = (tp, pp, vllm_root)
+        if key not in live:
             while (
                 live and sum(p.world for p in live.values()) + tp * pp > MAX_LIVE_RANKS
             ):
                 live.pop(next(iter(live))).close()  # the oldest
-            live[(tp, pp)] = RankPool(tp, pp, preload=PRELOAD)
-        return live[(tp, pp)]
+            live[key] = RankPool(tp, pp, preload=PRELOAD, vllm_root=vllm_root)
+        return live[key]
 
     yield get
     for pool in live.values():

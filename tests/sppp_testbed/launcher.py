@@ -3,7 +3,8 @@
 
 ``preload`` names modules every rank imports at start-up, so the (heavy)
 vLLM model imports are paid while all ranks start together, not inside the
-first case's deadline.
+first case's deadline. ``vllm_root`` makes the ranks import vLLM from another
+directory (e.g. a pristine tree, to compare patched and unpatched runs).
 
 Each rank initialises vLLM's own distributed state
 (``init_distributed_environment`` + ``initialize_model_parallel``) on the CPU,
@@ -20,6 +21,7 @@ import importlib
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -48,10 +50,13 @@ def _rank_main(
     pp: int,
     port: int,
     preload: tuple[str, ...],
+    vllm_root: str | None,
     tasks: mp.Queue,
     results: mp.Queue,
 ) -> None:
     try:
+        if vllm_root is not None:
+            sys.path.insert(0, vllm_root)
         import torch
 
         # tp * pp ranks share a few cores: one intra-op thread each.
@@ -95,14 +100,22 @@ class RankPool:
     PP stage ``r // tp``, as vLLM's ``initialize_model_parallel`` lays them out.
     """
 
-    def __init__(self, tp: int, pp: int, preload: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        tp: int,
+        pp: int,
+        preload: tuple[str, ...] = (),
+        vllm_root: str | None = None,
+    ) -> None:
         self.tp, self.pp = tp, pp
         self.preload = preload
+        self.vllm_root = vllm_root
         self.world = tp * pp
         self._procs: list[mp.Process] = []
 
     def __repr__(self) -> str:
-        return f"RankPool(TP{self.tp}xPP{self.pp})"
+        where = f", vLLM from {self.vllm_root}" if self.vllm_root else ""
+        return f"RankPool(TP{self.tp}xPP{self.pp}{where})"
 
     def start(self) -> None:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # inherited by every rank
@@ -119,6 +132,7 @@ class RankPool:
                     self.pp,
                     port,
                     self.preload,
+                    self.vllm_root,
                     self._tasks[r],
                     self._results,
                 ),

@@ -1,0 +1,33 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A vLLM 0.33.0 tree as it was before the patch set, without copying it.
+
+Every file of the installed ``vllm/`` package is linked; the files the
+journal says were patched link to their hash-keyed backups, and overlay files
+are left out. Ranks started with ``RankPool(vllm_root=...)`` import this tree,
+so the same test bed runs patched and unpatched vLLM side by side.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import apply
+
+
+def link_pristine_vllm(dest: Path) -> Path:
+    """Build the tree under ``dest``; return the directory to put on sys.path."""
+    target = apply.resolve_target(None)
+    source = apply.pristine_source(target)
+    package = target.root / "vllm"
+    for directory, subdirs, files in os.walk(package):
+        subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+        for name in files:
+            rel = str((Path(directory) / name).relative_to(target.root))
+            original = source(rel)
+            if original is None:
+                continue  # an overlay file: not part of vLLM 0.33.0
+            link = dest / rel
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(original.resolve())
+    return dest
