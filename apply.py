@@ -692,9 +692,11 @@ def roll_back(target: Target, journal: dict, *, force: bool = False) -> int:
             code=EXIT_DRIFT,
         )
     for rel in unknown:
-        keep = target.path(rel).with_name(target.path(rel).name + ".k3-sppp-drift")
-        shutil.copy2(target.path(rel), keep)
-        say(f"kept your edited {rel} as {keep}")
+        edited = target.path(rel)
+        if edited.exists():
+            keep = edited.with_name(edited.name + ".k3-sppp-drift")
+            shutil.copy2(edited, keep)
+            say(f"kept your edited {rel} as {keep}")
     restored = 0
     for entry in journal["files"]:
         path = target.path(entry["path"])
@@ -715,7 +717,7 @@ def roll_back(target: Target, journal: dict, *, force: bool = False) -> int:
     for rel in sorted(journal["created_dirs"], key=len, reverse=True):
         path = target.path(rel)
         shutil.rmtree(path / "__pycache__", ignore_errors=True)
-        with contextlib.suppress(FileNotFoundError, OSError):
+        with contextlib.suppress(OSError):  # gone already, or holds user files
             path.rmdir()
     target.clear_bytecode([e["path"] for e in journal["files"] + journal["overlay"]])
     for entry in journal["files"]:

@@ -462,6 +462,22 @@ def test_revert_force_restores_and_keeps_the_edit(tool, target, pristine_cache):
     assert tree_digest(target) == tree_digest(pristine_cache)
 
 
+def test_revert_force_restores_a_patched_file_that_was_deleted(
+    tool, target, pristine_cache
+):
+    assert_ok(tool("apply"))
+    (target / "vllm/logger.py").unlink()
+    fails_cleanly(
+        tool,
+        target,
+        "revert",
+        "refusing to overwrite: vllm/logger.py",
+        code=apply.EXIT_DRIFT,
+    )
+    assert_ok(tool("revert", "--force"))
+    assert tree_digest(target) == tree_digest(pristine_cache)
+
+
 @pytest.mark.parametrize(
     "breakage, message",
     [
