@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 from tests.distributed.conftest import topologies
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step
 
@@ -93,6 +95,7 @@ def test_sp_end_of_stage_is_one_packed_gather(pool, reference):
             ], (n, aux, gathers)
 
 
+@pytest.mark.changes_with_patch
 @topologies((2, 3), (2, 2))
 def test_sp_with_pp_is_silently_off_in_unpatched_vllm(pool, reference):
     """What 0.33.0 does today; the model patch is expected to change this."""
