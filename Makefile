@@ -9,6 +9,8 @@
 #   make pr-diff        one diff for an upstream vLLM pull request
 #   make lint           ruff and the series' consistency
 #   make manifest       regenerate patches/base.sha256 from the wheel's RECORD
+#   make nccl-bench     time the SP hand-off and the packed end gather over
+#                       NCCL (gloo on CPU): NPROC=4 NCCL_ARGS="--part handoff --tp 2"
 #   make comm-report    what one step communicates, per rank and phase, on
 #                       real CPU ranks (COMM_ARGS="--tp 2 --pp 2 --tokens 17")
 #   make setup          only the pinned .venv
@@ -28,7 +30,8 @@ TARGET := $(if $(VLLM),--target $(VLLM))
 APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
-.PHONY: help setup apply revert status check test lint manifest pr-diff comm-report
+.PHONY: help setup apply revert status check test lint manifest pr-diff comm-report \
+	nccl-bench
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -75,3 +78,8 @@ pr-diff: setup
 
 comm-report: setup
 	$(VPY) -m tests.sppp_testbed.comm_report $(COMM_ARGS)
+
+NPROC ?= 4
+nccl-bench: setup
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 $(VPY) -m \
+		torch.distributed.run --nproc-per-node $(NPROC) eval/nccl_bench.py $(NCCL_ARGS)
