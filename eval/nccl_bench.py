@@ -50,6 +50,7 @@ class Timer:
     """Per-iteration wall time of the slowest rank."""
 
     def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.cuda = device.type == "cuda"
 
     def measure(self, step: Callable[[], None]) -> float:
@@ -66,7 +67,8 @@ class Timer:
             begin = time.perf_counter()
             step()
             elapsed = time.perf_counter() - begin
-        slowest = torch.tensor([elapsed], dtype=torch.float64)
+        # NCCL reduces device tensors only.
+        slowest = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         return slowest.item()
 
