@@ -53,7 +53,7 @@ class Timer:
         self.device = device
         self.cuda = device.type == "cuda"
 
-    def measure(self, step: Callable[[], None]) -> float:
+    def measure(self, step: Callable[[], object]) -> float:
         dist.barrier()
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
@@ -80,6 +80,19 @@ def summarize(times: list[float]) -> dict[str, float]:
         "p10_us": ordered[len(ordered) // 10] * 1e6,
         "p90_us": ordered[(len(ordered) * 9) // 10] * 1e6,
     }
+
+
+def time_variants(
+    args: argparse.Namespace, device: torch.device, **variants: Callable[[], object]
+) -> dict[str, dict[str, float]]:
+    """``--warmup`` then ``--iters`` timed runs of each variant, in turn."""
+    timer = Timer(device)
+    timings = {}
+    for name, step in variants.items():
+        for _ in range(args.warmup):
+            timer.measure(step)
+        timings[name] = summarize([timer.measure(step) for _ in range(args.iters)])
+    return timings
 
 
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -142,12 +155,8 @@ def handoff_point(args, n: int, groups, device) -> dict:
     else:
         sp()
         replicated()
-    timer = Timer(device)
     result = {"N": n, "rows_per_rank": rows}
-    for name, step in (("sp", sp), ("replicated", replicated)):
-        for _ in range(args.warmup):
-            timer.measure(step)
-        result[name] = summarize([timer.measure(step) for _ in range(args.iters)])
+    result |= time_variants(args, device, sp=sp, replicated=replicated)
     result["ratio"] = result["replicated"]["median_us"] / result["sp"]["median_us"]
     return result
 
@@ -171,12 +180,8 @@ def gather_point(args, n: int, k: int, device) -> dict:
 
     for got, want in zip(packed(), separate(), strict=True):
         assert torch.equal(got, want), f"packed gather differs (N={n}, k={k})"
-    timer = Timer(device)
     result = {"N": n, "k": k}
-    for name, step in (("packed", packed), ("separate", separate)):
-        for _ in range(args.warmup):
-            timer.measure(step)
-        result[name] = summarize([timer.measure(step) for _ in range(args.iters)])
+    result |= time_variants(args, device, packed=packed, separate=separate)
     result["speedup"] = result["separate"]["median_us"] / result["packed"]["median_us"]
     return result
 
