@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
-
 from tests.distributed.conftest import topologies
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step
 
@@ -54,33 +52,57 @@ def mismatches(results: list[StageResult], expected: StageResult, tp: int) -> li
     return problems
 
 
-def supported_scenarios(tp: int, pp: int) -> list[Scenario]:
+def scenarios(tp: int, pp: int, sp: bool) -> list[Scenario]:
     """Every token count plain; AttnRes and aux taps, alone and together, at
     the counts where padding and boundaries bite (1, TP+1) and at 17."""
-    scenarios = []
-    for sp in [False, True] if pp == 1 and tp > 1 else [False]:
-        scenarios += [Scenario(sp, n) for n in token_counts(tp)]
-        for n in sorted({1, tp + 1, 17}):
-            scenarios.append(Scenario(sp, n, attn_res=True, aux_layers=aux_taps(pp)))
-        scenarios.append(Scenario(sp, 17, attn_res=True))
-        scenarios.append(Scenario(sp, 17, aux_layers=aux_taps(pp)))
-    return scenarios
+    pp_taps = aux_taps(pp)
+    chosen = [Scenario(sp, n) for n in token_counts(tp)]
+    for n in sorted({1, tp + 1, 17}):
+        chosen.append(Scenario(sp, n, attn_res=True, aux_layers=pp_taps))
+    chosen.append(Scenario(sp, 17, attn_res=True))
+    chosen.append(Scenario(sp, 17, aux_layers=pp_taps))
+    return chosen
+
+
+def supported_scenarios(tp: int, pp: int) -> list[Scenario]:
+    """What vLLM 0.33.0 runs already: no SP, and SP only without PP."""
+    chosen = scenarios(tp, pp, sp=False)
+    if pp == 1 and tp > 1:
+        chosen += scenarios(tp, pp, sp=True)
+    return chosen
+
+
+def sp_across_stages_scenarios(tp: int, pp: int) -> list[Scenario]:
+    """What the patch set adds: SP with PP > 1."""
+    return scenarios(tp, pp, sp=True) if tp > 1 and pp > 1 else []
+
+
+def failures(pool, chosen: list[Scenario], reference) -> list[str]:
+    found = []
+    for scenario in chosen:
+        results = pool.run(run_step, scenario)
+        if [r.sequence_parallel for r in results] != [scenario.sp] * pool.world:
+            found.append(
+                f"{scenario}: SP flags {[r.sequence_parallel for r in results]}"
+            )
+        found += [
+            f"{scenario}: {p}"
+            for p in mismatches(results, reference(scenario), pool.tp)
+        ]
+    return found
 
 
 @topologies((2, 3), (1, 2), (2, 1), (2, 2))
 def test_supported_configurations_match_the_reference(pool, reference):
-    failures = []
-    for scenario in supported_scenarios(pool.tp, pool.pp):
-        results = pool.run(run_step, scenario)
-        if [r.sequence_parallel for r in results] != [scenario.sp] * pool.world:
-            failures.append(
-                f"{scenario}: SP flags {[r.sequence_parallel for r in results]}"
-            )
-        failures += [
-            f"{scenario}: {p}"
-            for p in mismatches(results, reference(scenario), pool.tp)
-        ]
-    assert not failures, "\n".join(failures)
+    found = failures(pool, supported_scenarios(pool.tp, pool.pp), reference)
+    assert not found, "\n".join(found)
+
+
+@topologies((2, 3), (2, 2))
+def test_sp_across_stages_matches_the_reference(pool, reference):
+    chosen = sp_across_stages_scenarios(pool.tp, pool.pp)
+    found = failures(pool, chosen, reference)
+    assert not found, "\n".join(found)
 
 
 @topologies((2, 1))
@@ -95,18 +117,56 @@ def test_sp_end_of_stage_is_one_packed_gather(pool, reference):
             ], (n, aux, gathers)
 
 
-@pytest.mark.changes_with_patch
+def boundary_keys(taps: tuple[int, ...], end_layer: int) -> set[str]:
+    """Keys a stage ending at ``end_layer`` hands on: its own and relayed taps."""
+    sent = [tap for tap in taps if tap <= end_layer]
+    return {"hidden_states", "residual"} | {
+        f"aux_hidden_states_{slot}" for slot in range(len(sent))
+    }
+
+
 @topologies((2, 3), (2, 2))
-def test_sp_with_pp_is_silently_off_in_unpatched_vllm(pool, reference):
-    """What 0.33.0 does today; the model patch is expected to change this."""
-    scenario = Scenario(True, 17, aux_layers=aux_taps(pool.pp))
-    results = pool.run(run_step, scenario)
-    assert [r.sequence_parallel for r in results] == [False] * pool.world
-    assert not mismatches(results, reference(scenario), pool.tp)
-    # Without SP each boundary moves full-sequence, TP-replicated tensors:
-    # a 1/TP slice per rank, re-assembled by one TP all-gather per key.
-    records = results[pool.tp].ledger.records  # TP rank 0 of stage 1
-    received = {r.key: r.shape for r in records if r.op == "pp_recv"}
-    gathers = [r for r in records if r.phase == "PP recv" and r.op == "all_gather"]
-    assert received["hidden_states"] == (17 * 64 // pool.tp,)
-    assert len(gathers) == len(received)
+def test_sp_across_stages_moves_the_minimum(pool, reference):
+    """Each boundary moves every key once as this rank's ``c``-row shard,
+    with no TP collective on either side; only the last stage gathers, once,
+    everything packed along the hidden dimension."""
+    problems = []
+    for n in token_counts(pool.tp):
+        for attn_res, taps in [(False, ()), (True, aux_taps(pool.pp))]:
+            scenario = Scenario(True, n, attn_res=attn_res, aux_layers=taps)
+            rows = -(-n // pool.tp)
+            for rank, result in enumerate(pool.run(run_step, scenario)):
+                records = result.ledger.records
+                where = f"{scenario}, rank {rank}"
+                start, end = result.layers
+                problems += [
+                    f"{where}: TP {r.op} in {r.phase}"
+                    for r in records
+                    if r.phase.startswith("PP") and not r.op.startswith("pp_")
+                ]
+                stage = rank // pool.tp
+                for op, boundary, crosses in (
+                    ("pp_send", end, stage < pool.pp - 1),
+                    ("pp_recv", start, stage > 0),
+                ):
+                    moved = {r.key: r.shape for r in records if r.op == op}
+                    want_keys = boundary_keys(taps, boundary) if crosses else set()
+                    if set(moved) != want_keys:
+                        problems.append(f"{where}: {op} keys {sorted(moved)}")
+                    # The AttnRes residual is the bank of completed blocks.
+                    bank = [-(-boundary // 2)] if attn_res else []
+                    for key, shape in moved.items():
+                        want = (rows, *(bank if key == "residual" else []), 64)
+                        if shape != want:
+                            problems.append(f"{where}: {op} {key} {shape} != {want}")
+                gathers = [
+                    (r.op, r.shape) for r in records if r.phase == "stage output"
+                ]
+                want = (
+                    [("all_gather", (rows, 64 * (1 + len(taps))))]
+                    if stage == pool.pp - 1
+                    else []
+                )
+                if gathers != want:
+                    problems.append(f"{where}: stage output {gathers} != {want}")
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,73 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""When Kimi K3 runs sequence parallel, and what that means across PP stages.
+
+Between attention blocks each TP rank holds only its shard of the token rows.
+The layout holds for any pipeline-parallel size: the first stage shards the
+embeddings once, every stage hands its shards to the same TP rank of the next
+stage, and the last stage gathers once.
+"""
+
+from collections.abc import Sequence
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.model_executor.models.interfaces import EagleModelMixin
+
+logger = init_logger(__name__)
+
+# Intermediate-tensor keys that hold SP shards, besides the aux-state slots.
+SEQUENCE_PARALLEL_PP_KEYS = ("hidden_states", "residual")
+
+
+def use_kimi_k3_sequence_parallel(vllm_config: VllmConfig) -> bool:
+    """The one place that decides SP for Kimi K3.
+
+    DeepGEMM MegaMoE (and DP attention) consume token shards, which needs EP
+    and more than one TP rank. Pipeline parallelism does not change it.
+    """
+    parallel_config = vllm_config.parallel_config
+    moe_backend = vllm_config.kernel_config.moe_backend
+    enabled = (
+        parallel_config.enable_expert_parallel
+        and parallel_config.tensor_parallel_size > 1
+        and (
+            moe_backend == "deep_gemm_mega_moe"
+            or parallel_config.data_parallel_size > 1
+        )
+    )
+    if enabled:
+        logger.info_once(
+            "Kimi-K3 sequence parallelism enabled (TP=%d, PP=%d, MoE backend=%s).",
+            parallel_config.tensor_parallel_size,
+            parallel_config.pipeline_parallel_size,
+            moe_backend,
+        )
+    return enabled
+
+
+def sequence_parallel_pp_overrides(num_aux_slots: int) -> dict[str, bool]:
+    """``all_gather_tensors`` marking every SP-sharded PP key as not replicated.
+
+    Aux hidden states travel under ``aux_hidden_states_<slot>`` with one slot
+    per aux layer of the whole model, so all of them are listed.
+    """
+    aux_keys = (
+        f"{EagleModelMixin.AUX_HIDDEN_STATE_KEY}{slot}"
+        for slot in range(num_aux_slots)
+    )
+    return dict.fromkeys((*SEQUENCE_PARALLEL_PP_KEYS, *aux_keys), False)
+
+
+def check_aux_hidden_state_layers(
+    layers: Sequence[int], num_hidden_layers: int
+) -> None:
+    """Aux layers outside the model would never be captured, and the drafter
+    would fail on a short list deep inside a step; refuse them at start-up."""
+    outside = [layer for layer in layers if not 0 <= layer <= num_hidden_layers]
+    if outside:
+        raise ValueError(
+            f"Kimi-K3 has no layer boundary {outside} to capture aux hidden "
+            f"states at: eagle_aux_hidden_state_layer_ids must lie in "
+            f"[0, {num_hidden_layers}] (got {sorted(layers)})."
+        )
