@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from vllm.distributed import tensor_model_parallel_all_gather
-from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
 from tests.sppp_testbed.launcher import RankFailure, RankPool
+from vllm.distributed import tensor_model_parallel_all_gather
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 
 
 def rank_layout() -> tuple[int, int, int]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-import vllm
 
+import vllm
 from tests.distributed.conftest import topologies
 from tests.distributed.test_kimi_k3_stages import supported_scenarios
 from tests.sppp_testbed.launcher import RankPool

@@ -11,13 +11,13 @@ import time
 
 import pytest
 import torch
-from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-from vllm.models.common.ops.sequence_parallel import sp_shard
 
 from tests.distributed.conftest import topologies
 from tests.distributed.test_kimi_k3_stages import mismatches
 from tests.sppp_testbed.launcher import RankFailure
 from tests.sppp_testbed.stages import Scenario, run_step
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+from vllm.models.common.ops.sequence_parallel import sp_shard
 
 
 def hand_over_sp_shards(num_tokens: int, overrides: dict[str, bool] | None):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
 from vllm.distributed.parallel_state import GroupCoordinator
 
 TP_OPS = ("all_gather", "reduce_scatter", "all_reduce")

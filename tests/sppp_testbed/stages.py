@@ -15,14 +15,6 @@ import types
 from dataclasses import dataclass
 
 import torch
-from vllm.config import set_current_vllm_config
-from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-from vllm.sequence import IntermediateTensors
-from vllm.v1.worker.gpu.pp_utils import PPHandler
-from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
-    aux_hidden_state_relay_keys,
-)
-from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
 from tests.sppp_testbed.accounting import CommLedger
 from tests.sppp_testbed.tiny_k3 import (
@@ -32,6 +24,14 @@ from tests.sppp_testbed.tiny_k3 import (
     scenario_config,
     stand_ins,
 )
+from vllm.config import set_current_vllm_config
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+from vllm.sequence import IntermediateTensors
+from vllm.v1.worker.gpu.pp_utils import PPHandler
+from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
+    aux_hidden_state_relay_keys,
+)
+from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
 
 @dataclass(frozen=True)

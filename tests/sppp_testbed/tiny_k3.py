@@ -30,6 +30,7 @@ from collections.abc import Iterator
 
 import torch
 from torch import nn
+
 from vllm.config import (
     CompilationConfig,
     KernelConfig,

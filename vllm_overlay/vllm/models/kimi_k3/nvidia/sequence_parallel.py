@@ -53,8 +53,7 @@ def sequence_parallel_pp_overrides(num_aux_slots: int) -> dict[str, bool]:
     per aux layer of the whole model, so all of them are listed.
     """
     aux_keys = (
-        f"{EagleModelMixin.AUX_HIDDEN_STATE_KEY}{slot}"
-        for slot in range(num_aux_slots)
+        f"{EagleModelMixin.AUX_HIDDEN_STATE_KEY}{slot}" for slot in range(num_aux_slots)
     )
     return dict.fromkeys((*SEQUENCE_PARALLEL_PP_KEYS, *aux_keys), False)
 

@@ -1,0 +1,353 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Kimi K3 sequence parallelism (SP) with pipeline parallelism (PP), unit level.
+
+The decision, the transport overrides and the start-up checks are tested
+directly. Stage behaviour runs the real ``KimiLinearModel.forward`` of the
+test bed's tiny model in a one-rank world, with the SP collectives replaced
+by fakes that behave like TP rank 0 of ``TP_SIZE`` ranks and a fake PP group
+that places the model on the first, a middle or the last stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from tests.sppp_testbed.tiny_k3 import (
+    HIDDEN,
+    NUM_LAYERS,
+    build_model,
+    scenario_config,
+    stand_ins,
+)
+from vllm.distributed import parallel_state
+from vllm.distributed import pp_sequence_parallel as pp_sp
+from vllm.models.kimi_k3.nvidia import model as k3
+from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
+from vllm.sequence import IntermediateTensors
+
+TP_SIZE = 2
+TOKEN_COUNTS = [1, 3, 8, 17, 64]
+
+
+def vllm_config(
+    tp: int = 8,
+    pp: int = 2,
+    ep: bool = True,
+    dp: int = 1,
+    backend: str = "deep_gemm_mega_moe",
+) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            enable_expert_parallel=ep,
+            data_parallel_size=dp,
+        ),
+        kernel_config=types.SimpleNamespace(moe_backend=backend),
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, True),  # production: TP8 / PP2 / EP8, MegaMoE
+        ({"pp": 1}, True),
+        ({"pp": 4}, True),
+        ({"tp": 2, "pp": 3}, True),
+        ({"backend": "auto", "dp": 2}, True),  # DP attention without MegaMoE
+        ({"backend": "auto"}, False),  # 0.33.0's non-MegaMoE path, unchanged
+        ({"backend": "flashinfer_cutlass", "pp": 1}, False),
+        ({"ep": False}, False),
+        ({"ep": False, "dp": 2}, False),
+        ({"tp": 1}, False),
+        ({"tp": 1, "dp": 2}, False),
+    ],
+)
+def test_decision_table(options, expected):
+    assert k3_sp.use_kimi_k3_sequence_parallel(vllm_config(**options)) is expected
+
+
+def test_decision_is_logged_once_with_tp_pp_and_backend():
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    level = k3_sp.logger.level
+    k3_sp.logger.setLevel(logging.INFO)
+    k3_sp.logger.addHandler(handler)
+    try:
+        for _ in range(3):  # as every decoder layer asks
+            k3_sp.use_kimi_k3_sequence_parallel(vllm_config(tp=3, pp=5))
+        k3_sp.use_kimi_k3_sequence_parallel(vllm_config(tp=3, pp=5, ep=False))
+    finally:
+        k3_sp.logger.removeHandler(handler)
+        k3_sp.logger.setLevel(level)
+    assert [r.getMessage() for r in records] == [
+        "Kimi-K3 sequence parallelism enabled "
+        "(TP=3, PP=5, MoE backend=deep_gemm_mega_moe)."
+    ]
+
+
+# -- transport overrides -------------------------------------------------
+
+
+def test_overrides_mark_every_sp_key_and_aux_slot_as_not_replicated():
+    model = types.SimpleNamespace(
+        use_sequence_parallel=True, aux_hidden_state_layers=(0, 2, 3)
+    )
+    overrides = k3.KimiLinearModel.get_pp_intermediate_tensor_all_gather_overrides(
+        model
+    )
+    assert overrides == {
+        "hidden_states": False,
+        "residual": False,
+        "aux_hidden_states_0": False,
+        "aux_hidden_states_1": False,
+        "aux_hidden_states_2": False,
+    }
+
+
+def test_overrides_are_empty_without_sp():
+    model = types.SimpleNamespace(
+        use_sequence_parallel=False, aux_hidden_state_layers=(0, 2)
+    )
+    assert (
+        k3.KimiLinearModel.get_pp_intermediate_tensor_all_gather_overrides(model) == {}
+    )
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "inner"),
+    [
+        (k3.KimiLinearForCausalLM, "model"),
+        (k3.KimiK3ForConditionalGeneration, "language_model"),
+    ],
+)
+def test_wrappers_delegate_the_overrides(wrapper, inner):
+    declared = {"hidden_states": False, "aux_hidden_states_0": False}
+    inner_model = types.SimpleNamespace(
+        get_pp_intermediate_tensor_all_gather_overrides=lambda: declared
+    )
+    outer = types.SimpleNamespace(**{inner: inner_model})
+    assert wrapper.get_pp_intermediate_tensor_all_gather_overrides(outer) is declared
+
+
+OVERRIDES = "get_pp_intermediate_tensor_all_gather_overrides"
+
+
+def test_multimodal_wrapper_reaches_the_text_model_without_fallback():
+    text_model = types.SimpleNamespace(
+        use_sequence_parallel=True, aux_hidden_state_layers=(3,)
+    )
+    setattr(
+        text_model,
+        OVERRIDES,
+        types.MethodType(getattr(k3.KimiLinearModel, OVERRIDES), text_model),
+    )
+    causal_lm = types.SimpleNamespace(model=text_model)
+    setattr(
+        causal_lm,
+        OVERRIDES,
+        types.MethodType(getattr(k3.KimiLinearForCausalLM, OVERRIDES), causal_lm),
+    )
+    get = getattr(k3.KimiK3ForConditionalGeneration, OVERRIDES)
+    assert get(types.SimpleNamespace(language_model=causal_lm)) == {
+        "hidden_states": False,
+        "residual": False,
+        "aux_hidden_states_0": False,
+    }
+    # A language model without the method is a bug to surface, not "{}".
+    with pytest.raises(AttributeError):
+        get(types.SimpleNamespace(language_model=object()))
+
+
+def test_transport_helper_asks_the_model_or_keeps_the_default():
+    declared = {"hidden_states": False}
+    model = types.SimpleNamespace(
+        get_pp_intermediate_tensor_all_gather_overrides=lambda: declared
+    )
+    assert pp_sp.pp_all_gather_overrides(model) is declared
+    assert pp_sp.pp_all_gather_overrides(torch.nn.Linear(2, 2)) is None
+
+
+# -- stage behaviour -----------------------------------------------------
+
+
+@dataclass
+class FakeSPCollectives:
+    """``sp_shard``/``sp_all_gather``/``sp_reduce_scatter`` as TP rank 0 of
+    ``TP_SIZE`` ranks sees them (the gather repeats the local shard), each
+    call recorded with the input's shape."""
+
+    calls: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
+
+    def _pad(self, x: torch.Tensor) -> torch.Tensor:
+        pad = (-x.shape[0]) % TP_SIZE
+        return torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(("shard", tuple(x.shape)))
+        x = self._pad(x)
+        return x[: x.shape[0] // TP_SIZE]
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(("all_gather", tuple(x.shape)))
+        return torch.cat([x] * TP_SIZE)
+
+    def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.append(("reduce_scatter", tuple(x.shape)))
+        x = self._pad(x)
+        return x[: x.shape[0] // TP_SIZE]
+
+    def count(self, op: str) -> int:
+        return sum(name == op for name, _ in self.calls)
+
+
+@pytest.fixture
+def collectives(monkeypatch) -> FakeSPCollectives:
+    fake = FakeSPCollectives()
+    monkeypatch.setattr(k3, "sp_shard", fake.shard)
+    monkeypatch.setattr(k3, "sp_all_gather", fake.all_gather)
+    monkeypatch.setattr(k3, "sp_reduce_scatter", fake.reduce_scatter)
+    monkeypatch.setattr(pp_sp, "get_tensor_model_parallel_world_size", lambda: TP_SIZE)
+    return fake
+
+
+@pytest.fixture
+def make_stage(single_rank_world, monkeypatch):
+    """``make_stage(first, last, layers, aux)``: the tiny model with SP on,
+    placed on a PP stage of two or more that runs ``layers``."""
+    exit_stack = stand_ins()
+    exit_stack.__enter__()
+    asked = []
+
+    def decide(vllm_config) -> bool:
+        asked.append(vllm_config)
+        return True
+
+    monkeypatch.setattr(k3, "use_kimi_k3_sequence_parallel", decide)
+
+    def make(first: bool, last: bool, layers: range, aux: tuple[int, ...] = ()):
+        # Built whole in the one-rank world, then placed on its stage.
+        model = build_model(scenario_config(1, 1, sp=False))
+        group = types.SimpleNamespace(
+            world_size=2, is_first_rank=first, is_last_rank=last
+        )
+        monkeypatch.setattr(k3, "get_pp_group", lambda: group)
+        monkeypatch.setattr(parallel_state, "get_pp_group", lambda: group)
+        model.start_layer, model.end_layer = layers.start, layers.stop
+        model._set_aux_hidden_state_layers(aux)
+        model.asked = asked
+        return model
+
+    yield make
+    exit_stack.__exit__(None, None, None)
+
+
+def rows(num_tokens: int) -> int:
+    return -(-num_tokens // TP_SIZE)
+
+
+def incoming(num_tokens: int, capacity: int | None = None, aux: int = 0):
+    """What an earlier stage sends: this rank's rows, optionally at the head
+    of a persistent buffer of ``capacity`` rows (profiling, capture)."""
+    generator = torch.Generator().manual_seed(num_tokens)
+    local = {
+        key: torch.randn(rows(num_tokens), HIDDEN, generator=generator)
+        for key in ["hidden_states", "residual"]
+        + [f"aux_hidden_states_{i}" for i in range(aux)]
+    }
+    if capacity is None:
+        return IntermediateTensors(local)
+    full = {k: torch.full((capacity, HIDDEN), 1e6) for k in local}
+    for key, tensor in local.items():
+        full[key][: tensor.shape[0]] = tensor
+    return IntermediateTensors(full)
+
+
+def test_model_and_every_layer_ask_the_one_decision(make_stage):
+    model = make_stage(first=True, last=True, layers=range(NUM_LAYERS))
+    assert len(model.asked) == 1 + NUM_LAYERS
+    assert model.use_sequence_parallel
+    assert all(layer.use_sequence_parallel for layer in model.layers)
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_first_stage_shards_once_and_hands_on_local_rows(
+    make_stage, collectives, num_tokens
+):
+    model = make_stage(first=True, last=False, layers=range(2), aux=(0, 2))
+    ids = torch.arange(num_tokens) % 100
+    output = model(ids, torch.arange(num_tokens), None)
+    assert collectives.calls[0] == ("shard", (num_tokens, HIDDEN))
+    assert collectives.count("shard") == 1
+    assert isinstance(output, IntermediateTensors)
+    assert {k: tuple(v.shape) for k, v in output.tensors.items()} == {
+        "hidden_states": (rows(num_tokens), HIDDEN),
+        "residual": (rows(num_tokens), HIDDEN),
+        "aux_hidden_states_0": (rows(num_tokens), HIDDEN),
+        "aux_hidden_states_1": (rows(num_tokens), HIDDEN),
+    }
+    # No gather outside the layers: one per layer's attention, none at the end.
+    assert collectives.count("all_gather") == 2
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_later_stage_never_shards_and_narrows_full_buffers_once(
+    make_stage, collectives, num_tokens
+):
+    model = make_stage(first=False, last=False, layers=range(2, 3))
+    positions = torch.arange(num_tokens)
+    local = model(None, positions, incoming(num_tokens))
+    padded = model(None, positions, incoming(num_tokens, capacity=64 * TP_SIZE))
+    assert collectives.count("shard") == 0
+    for key in ("hidden_states", "residual"):
+        assert local[key].shape == (rows(num_tokens), HIDDEN)
+        torch.testing.assert_close(padded[key], local[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_last_stage_gathers_once_with_relayed_aux(make_stage, collectives, num_tokens):
+    """Aux layers 0 and 2 were captured upstream, 3 is local: one gather of
+    [final | aux 0 | aux 1 | aux 2], trimmed to N and split in slot order."""
+    model = make_stage(first=False, last=True, layers=range(2, 4), aux=(0, 2, 3))
+    received = incoming(num_tokens, aux=2)
+    hidden_states, aux = model(None, torch.arange(num_tokens), received)
+    layer_gathers = 2
+    assert collectives.count("shard") == 0
+    assert collectives.count("all_gather") == layer_gathers + 1
+    assert collectives.calls[-1] == ("all_gather", (rows(num_tokens), 4 * HIDDEN))
+    assert hidden_states.shape == (num_tokens, HIDDEN)
+    assert [tuple(t.shape) for t in aux] == [(num_tokens, HIDDEN)] * 3
+    for slot in range(2):  # relayed shards come back in place, in order
+        local_rows = min(rows(num_tokens), num_tokens)
+        torch.testing.assert_close(
+            aux[slot][:local_rows],
+            received[f"aux_hidden_states_{slot}"][:local_rows],
+            rtol=0,
+            atol=0,
+        )
+
+
+# -- start-up checks -----------------------------------------------------
+
+
+@pytest.mark.parametrize("layers", [(0, NUM_LAYERS + 1), (-1,)])
+def test_aux_layers_outside_the_model_are_refused(make_stage, layers):
+    model = make_stage(first=True, last=True, layers=range(NUM_LAYERS))
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids"):
+        model._set_aux_hidden_state_layers(layers)
+
+
+def test_attn_res_stream_tap_at_a_stage_boundary_is_refused(make_stage, monkeypatch):
+    monkeypatch.setattr(k3.envs, "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM", True)
+    model = make_stage(first=True, last=False, layers=range(2))
+    model.use_attn_res = True
+    with pytest.raises(ValueError, match="VLLM_PP_LAYER_PARTITION") as error:
+        model._set_aux_hidden_state_layers((1, 2))
+    assert "VLLM_KIMI_K3_AUX_ATTN_RES_STREAM" in str(error.value)
+    model._set_aux_hidden_state_layers((1, 3))  # inside a stage: fine
