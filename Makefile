@@ -13,6 +13,13 @@
 #                       NCCL (gloo on CPU): NPROC=4 NCCL_ARGS="--part handoff --tp 2"
 #   make comm-report    what one step communicates, per rank and phase, on
 #                       real CPU ranks (COMM_ARGS="--tp 2 --pp 2 --tokens 17")
+#   make serve          print one arm's serve command for one node; RUN=1
+#                       checks the node and starts it: ARM=mega-sp|fi-ep|
+#                       fi-noep NODE_RANK= MODEL= MASTER_ADDR= HOST_IP=
+#                       DEEPGEMM= [SERVE_PYTHON=]
+#   make gsm8k          GSM8K with lm-eval against a running arm: ARM=
+#                       BASE_URL= MODEL= [LIMIT=] [GSM8K_DATA=dir] [FORCE=1]
+#   make gsm8k-compare  table and paired verdict per arm [BASELINE=fi-ep]
 #   make setup          only the pinned .venv
 #
 # VLLM=/path points apply, revert, status and check at your own vLLM
@@ -31,7 +38,7 @@ APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
 .PHONY: help setup apply revert status check test lint manifest pr-diff comm-report \
-	nccl-bench
+	nccl-bench serve gsm8k gsm8k-compare
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -41,7 +48,8 @@ setup: $(STAMP)
 $(STAMP): setup.cfg
 	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
 	$(VPY) -m pip install --quiet "vllm==$(call pin,vllm)" \
-		"torch==$(call pin,torch)" $(call pin,dev)
+		"torch==$(call pin,torch)" $(call pin,dev) \
+		$(foreach req,$(call pin,eval),"$(req)")
 	$(VPY) -c 'import importlib.metadata as m, sys; \
 		got = {p: m.version(p).split("+")[0] for p in ("vllm", "torch")}; \
 		want = {"vllm": "$(call pin,vllm)", "torch": "$(call pin,torch)"}; \
@@ -83,3 +91,19 @@ NPROC ?= 4
 nccl-bench: setup
 	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 $(VPY) -m \
 		torch.distributed.run --nproc-per-node $(NPROC) eval/nccl_bench.py $(NCCL_ARGS)
+
+SERVE_PYTHON ?= $(abspath $(VPY))
+serve:
+	python3 eval/serve.py --arm "$(ARM)" --node-rank "$(NODE_RANK)" \
+		--model "$(MODEL)" --master-addr "$(MASTER_ADDR)" --host-ip "$(HOST_IP)" \
+		--deepgemm "$(DEEPGEMM)" --python "$(SERVE_PYTHON)" $(if $(RUN),--run)
+
+gsm8k: setup
+	$(VPY) -m eval.gsm8k run --arm "$(ARM)" --base-url "$(BASE_URL)" \
+		--model "$(MODEL)" $(if $(LIMIT),--limit $(LIMIT)) \
+		$(if $(GSM8K_DATA),--data "$(GSM8K_DATA)") $(if $(VLLM),--target "$(VLLM)") \
+		$(if $(FORCE),--force)
+
+BASELINE ?= fi-ep
+gsm8k-compare: setup
+	$(VPY) -m eval.gsm8k compare --baseline $(BASELINE)

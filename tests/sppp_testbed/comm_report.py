@@ -64,7 +64,57 @@ def render(scenario: Scenario, tp: int, results: list[StageResult]) -> str:
                     f"| {rank} | {record.op[3:]} | {record.key} | "
                     f"{tuple(record.shape)} | {record.nbytes:,} |"
                 )
+    lines += ["", *boundary_comparison(results, tp)]
     return "\n".join(lines) + "\n"
+
+
+def boundary_comparison(results: list[StageResult], tp: int) -> list[str]:
+    """Per rank: what each PP boundary and the end cost, measured, against
+    what gathering SP shards before the hand-off would cost.
+
+    That alternative (a model without the transport overrides, made correct)
+    all-gathers each SP key inside TP on the sender, sends a 1/TP slice of
+    the full rows (the same bytes as the shard) and all-gathers it again on
+    the receiver: two TP all-gathers per key per boundary. Its figures are
+    derived from the measured send records, not run.
+    """
+    lines = [
+        "Per rank; all-gather bytes are each call's input. Gather-before-send "
+        "is derived from the measured sends: one TP all-gather per key on each "
+        "side of the boundary, the same bytes sent.",
+        "",
+        "| where | rank | keys | this patch set: TP collectives | "
+        "all-gather bytes | PP bytes sent | gather-before-send: TP collectives "
+        "| all-gather bytes | PP bytes sent |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    pp = len(results) // tp
+    for stage in range(pp - 1):
+        for tp_rank in range(tp):
+            sender = results[stage * tp + tp_rank].ledger.records
+            receiver = results[(stage + 1) * tp + tp_rank].ledger.records
+            sent = [r for r in sender if r.op == "pp_send"]
+            hand_off = [
+                r
+                for r in sender + receiver
+                if r.phase.startswith("PP") and not r.op.startswith("pp_")
+            ]
+            nbytes = sum(r.nbytes for r in sent)
+            lines.append(
+                f"| boundary {stage}→{stage + 1} | {stage * tp + tp_rank} | "
+                f"{len(sent)} | {len(hand_off)} | "
+                f"{sum(r.nbytes for r in hand_off):,} | {nbytes:,} | "
+                f"{2 * len(sent)} | {2 * nbytes:,} | {nbytes:,} |"
+            )
+    for tp_rank in range(tp):
+        rank = (pp - 1) * tp + tp_rank
+        end = [r for r in results[rank].ledger.records if r.phase == "stage output"]
+        calls, nbytes = len(end), sum(r.nbytes for r in end)
+        lines.append(
+            f"| end of the last stage | {rank} | – | {calls} | {nbytes:,} | – | "
+            f"{calls} | {nbytes:,} | – |"
+        )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
