@@ -20,6 +20,10 @@
 #   make gsm8k          GSM8K with lm-eval against a running arm: ARM=
 #                       BASE_URL= MODEL= [LIMIT=] [GSM8K_DATA=dir] [FORCE=1]
 #   make gsm8k-compare  table and paired verdict per arm [BASELINE=fi-ep]
+#   make bench          the prefill sweep against a running arm: ARM=
+#                       BASE_URL= MODEL= TOKENIZER= [POINTS=128x1,8192x4]
+#                       [ALLOW_PREFIX_CACHING=1]
+#   make bench-report   tables, JSON summary and plots from results/bench
 #   make setup          only the pinned .venv
 #
 # VLLM=/path points apply, revert, status and check at your own vLLM
@@ -38,7 +42,7 @@ APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
 .PHONY: help setup apply revert status check test lint manifest pr-diff comm-report \
-	nccl-bench serve gsm8k gsm8k-compare
+	nccl-bench serve gsm8k gsm8k-compare bench bench-report
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -107,3 +111,12 @@ gsm8k: setup
 BASELINE ?= fi-ep
 gsm8k-compare: setup
 	$(VPY) -m eval.gsm8k compare --baseline $(BASELINE)
+
+bench: setup
+	$(VPY) -m eval.bench run --arm "$(ARM)" --base-url "$(BASE_URL)" \
+		--model "$(MODEL)" --tokenizer "$(TOKENIZER)" \
+		$(if $(POINTS),--points "$(POINTS)") $(if $(VLLM),--target "$(VLLM)") \
+		$(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
+
+bench-report: setup
+	$(VPY) -m eval.bench report

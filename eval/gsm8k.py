@@ -28,12 +28,11 @@ import os
 import shutil
 import subprocess
 import sys
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 from eval import serve
+from eval.openai_server import ServerError, check_server
 from eval.provenance import provenance
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -61,36 +60,6 @@ class GSM8KError(Exception):
 
 
 # -- run -----------------------------------------------------------------
-
-
-def get_json(url: str, timeout: float = 10) -> dict:
-    with urllib.request.urlopen(url, timeout=timeout) as response:
-        return json.load(response)
-
-
-def check_server(base_url: str, model: str, arm: str) -> str:
-    """Fail unless the server lists ``model``; return its vLLM version."""
-    url = f"{base_url}/v1/models"
-    start = (
-        f"make serve ARM={arm} NODE_RANK=0 MODEL=/path/to/Kimi-K3 "
-        "MASTER_ADDR=... HOST_IP=... DEEPGEMM=... RUN=1 (and NODE_RANK=1 on "
-        "the second node)"
-    )
-    try:
-        served = [entry["id"] for entry in get_json(url)["data"]]
-    except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
-        raise GSM8KError(
-            f"no OpenAI-compatible server at {url} ({error}); start it with: {start}"
-        ) from error
-    if model not in served:
-        raise GSM8KError(
-            f"{url} serves {served}, not {model!r}: set MODEL= to the served "
-            f"model name (--served-model-name), or start the arm with: {start}"
-        )
-    try:
-        return str(get_json(f"{base_url}/version").get("version", "unknown"))
-    except (urllib.error.URLError, OSError, ValueError):
-        return "unknown"
 
 
 def local_task_yaml(data_dir: Path) -> str:
@@ -473,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args) if args.command == "run" else compare(args)
-    except (GSM8KError, serve.ServeError) as error:
+    except (GSM8KError, ServerError, serve.ServeError) as error:
         print(f"gsm8k: {error}", file=sys.stderr)
         return 2 if args.command == "compare" else 1
 

@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """A small OpenAI-compatible HTTP server of the tests' own, on 127.0.0.1.
 
-It answers ``GET /v1/models``, ``GET /version`` and ``POST /v1/completions``
-with whatever ``complete(prompt)`` returns, so the tools run end to end
-against a real socket without a GPU or the network.
+It answers ``GET /v1/models``, ``GET /version``, ``GET /metrics`` (vLLM's
+``cache_config_info``), ``POST /v1/completions`` with whatever
+``complete(prompt)`` returns, and streaming ``POST /v1/chat/completions``
+with one token, so the tools run end to end against a real socket without a
+GPU or the network.
 """
 
 from __future__ import annotations
@@ -20,8 +22,13 @@ VLLM_VERSION = "0.33.0"
 
 
 @contextmanager
-def serving(model: str, complete: Callable[[str], str]) -> Iterator[str]:
-    """Serve until the block ends; yields the base URL."""
+def serving(
+    model: str,
+    complete: Callable[[str], str] = lambda prompt: "",
+    prefix_caching: bool | None = False,
+) -> Iterator[str]:
+    """Serve until the block ends; yields the base URL. ``prefix_caching``
+    None leaves the metric out, as a server that does not report it."""
     requests: list[dict] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -41,12 +48,44 @@ def serving(model: str, complete: Callable[[str], str]) -> Iterator[str]:
                 self.reply(200, {"object": "list", "data": [{"id": model}]})
             elif self.path == "/version":
                 self.reply(200, {"version": VLLM_VERSION})
+            elif self.path == "/metrics":
+                data = b"# vLLM metrics\n"
+                if prefix_caching is not None:
+                    data += (
+                        'vllm:cache_config_info{block_size="16",'
+                        f'enable_prefix_caching="{prefix_caching}"'
+                        "} 1.0\n"
+                    ).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
             else:
                 self.reply(404, {"error": self.path})
+
+        def stream_one_token(self) -> None:
+            """Server-sent events: one content chunk, usage, [DONE]."""
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            chunks = [
+                {"choices": [{"index": 0, "delta": {"content": "x"}}]},
+                {"choices": [], "usage": {"completion_tokens": 1}},
+            ]
+            for chunk in chunks:
+                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                self.wfile.flush()
+            self.wfile.write(b"data: [DONE]\n\n")
+            self.close_connection = True
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             requests.append(body)
+            if self.path == "/v1/chat/completions" and body.get("model") == model:
+                self.stream_one_token()
+                return
             if self.path != "/v1/completions" or body.get("model") != model:
                 self.reply(404, {"error": f"{self.path} {body.get('model')}"})
                 return

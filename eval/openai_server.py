@@ -1,0 +1,63 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Checks of a running OpenAI-compatible vLLM server before a long run."""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+
+NETWORK_ERRORS = (urllib.error.URLError, OSError, ValueError)
+
+
+class ServerError(Exception):
+    """The server is missing, serves something else, or is set up wrongly."""
+
+
+def get(url: str, timeout: float = 10) -> bytes:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return response.read()
+
+
+def serve_hint(arm: str) -> str:
+    return (
+        f"make serve ARM={arm} NODE_RANK=0 MODEL=/path/to/Kimi-K3 "
+        "MASTER_ADDR=... HOST_IP=... DEEPGEMM=... RUN=1 (and NODE_RANK=1 on "
+        "the second node)"
+    )
+
+
+def check_server(base_url: str, model: str, arm: str) -> str:
+    """Fail unless the server lists ``model``; return its vLLM version."""
+    url = f"{base_url}/v1/models"
+    try:
+        served = [entry["id"] for entry in json.loads(get(url))["data"]]
+    except (*NETWORK_ERRORS, KeyError) as error:
+        raise ServerError(
+            f"no OpenAI-compatible server at {url} ({error}); start it with: "
+            f"{serve_hint(arm)}"
+        ) from error
+    if model not in served:
+        raise ServerError(
+            f"{url} serves {served}, not {model!r}: set MODEL= to the served "
+            f"model name (--served-model-name), or start the arm with: "
+            f"{serve_hint(arm)}"
+        )
+    try:
+        return str(json.loads(get(f"{base_url}/version")).get("version", "unknown"))
+    except NETWORK_ERRORS:
+        return "unknown"
+
+
+def prefix_caching(base_url: str) -> bool | None:
+    """Whether the server caches prefixes, from vLLM's ``cache_config_info``
+    metric; ``None`` when the server does not say."""
+    try:
+        text = get(f"{base_url}/metrics").decode()
+    except NETWORK_ERRORS:
+        return None
+    match = re.search(
+        r'^vllm:cache_config_info\{[^}]*enable_prefix_caching="(\w+)"', text, re.M
+    )
+    return None if match is None else match[1].lower() == "true"
