@@ -66,7 +66,7 @@ def reference():
     results: dict[Scenario, StageResult] = {}
 
     def result(scenario: Scenario) -> StageResult:
-        key = dataclasses.replace(scenario, sp=False, fault="")
+        key = dataclasses.replace(scenario, sp=False, fault="", runner="")
         if key not in results:
             (results[key],) = pool.run(run_step, key)
         return results[key]

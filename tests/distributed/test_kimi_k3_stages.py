@@ -117,6 +117,20 @@ def test_sp_end_of_stage_is_one_packed_gather(pool, reference):
             ], (n, aux, gathers)
 
 
+@topologies((2, 2))
+def test_sp_across_stages_through_the_legacy_runner_buffers(pool, reference):
+    """The receiving stage takes the hand-off through the legacy runner's
+    full-capacity buffers, copied by its own (patched) code: the model gets
+    exactly the sender's shard."""
+    chosen = [Scenario(True, n, runner="legacy") for n in token_counts(pool.tp)]
+    chosen += [
+        Scenario(sp, 17, attn_res=True, aux_layers=aux_taps(pool.pp), runner="legacy")
+        for sp in (True, False)
+    ]
+    found = failures(pool, chosen, reference)
+    assert not found, "\n".join(found)
+
+
 def boundary_keys(taps: tuple[int, ...], end_layer: int) -> set[str]:
     """Keys a stage ending at ``end_layer`` hands on: its own and relayed taps."""
     sent = [tap for tap in taps if tap <= end_layer]

@@ -31,6 +31,7 @@ from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     aux_hidden_state_relay_keys,
 )
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
 
@@ -44,6 +45,9 @@ class Scenario:
     aux_layers: tuple[int, ...] = ()
     seed: int = 0
     fault: str = ""  # a known bug to inject (see FAULTS), to prove it is caught
+    # "legacy": later stages take the hand-off through the legacy runner's
+    # persistent buffers (GPUModelRunner.sync_and_gather_intermediate_tensors).
+    runner: str = ""
 
     def __str__(self) -> str:
         options = [f"N={self.num_tokens}", "SP" if self.sp else "no SP"]
@@ -53,6 +57,8 @@ class Scenario:
             options.append(f"aux={list(self.aux_layers)}")
         if self.fault:
             options.append(f"fault={self.fault}")
+        if self.runner:
+            options.append(f"runner={self.runner}")
         return ", ".join(options)
 
 
@@ -101,6 +107,25 @@ def transport_overrides(model: torch.nn.Module) -> dict[str, bool] | None:
     return overrides() if overrides is not None else None
 
 
+# The legacy runner's persistent receive buffers: max_num_tokens rows.
+RUNNER_CAPACITY = 128
+
+
+def through_legacy_runner(
+    model: torch.nn.Module, received: IntermediateTensors, num_tokens: int
+) -> IntermediateTensors:
+    """What the legacy runner hands the model after a hand-off: the received
+    rows copied into its full-capacity buffers by its own code."""
+    runner = types.SimpleNamespace(
+        intermediate_tensors=model.make_empty_intermediate_tensors(
+            RUNNER_CAPACITY, torch.get_default_dtype(), torch.device("cpu")
+        )
+    )
+    return GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, received, True
+    )
+
+
 def token_ids(num_tokens: int, seed: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (num_tokens,), generator=generator)
@@ -145,6 +170,8 @@ def run_step(scenario: Scenario) -> StageResult:
         num_tokens = scenario.num_tokens
         if scenario.fault == "pad_batch_to_tp":
             num_tokens = max(num_tokens, tp_group.world_size)
+        if intermediate is not None and scenario.runner == "legacy":
+            intermediate = through_legacy_runner(model, intermediate, num_tokens)
         ids = token_ids(scenario.num_tokens, scenario.seed)
         ids = torch.cat([ids, ids.new_zeros(num_tokens - ids.shape[0])])
         with ledger.in_phase("layers"):

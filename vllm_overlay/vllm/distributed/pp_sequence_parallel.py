@@ -22,6 +22,34 @@ def sequence_parallel_rows(num_tokens: int) -> int:
     return cdiv(num_tokens, get_tensor_model_parallel_world_size())
 
 
+def intermediate_tensors_num_rows(intermediate_tensors: IntermediateTensors) -> int:
+    """The leading-row count every tensor of a PP hand-off shares.
+
+    Runners take it from what arrived instead of assuming ``num_tokens``: a
+    model that keeps its stage outputs sequence parallel sends fewer rows.
+    """
+    rows = {key: tensor.shape[0] for key, tensor in intermediate_tensors.items()}
+    counts = set(rows.values())
+    if len(counts) != 1:
+        raise ValueError(
+            "Intermediate tensors must share one leading-row count; got "
+            + (", ".join(f"{key}: {count}" for key, count in rows.items()) or "none")
+        )
+    return counts.pop()
+
+
+def received_num_rows(
+    intermediate_tensors: IntermediateTensors, num_tokens: int
+) -> int:
+    """How many rows of a received hand-off a runner copies and hands over.
+
+    All of them, at most ``num_tokens``: each TP rank of a sequence-parallel
+    model receives its ``ceil(num_tokens / TP)``-row shard; other models send
+    ``num_tokens`` rows.
+    """
+    return min(num_tokens, intermediate_tensors_num_rows(intermediate_tensors))
+
+
 def narrow_to_sequence_parallel_rows(
     intermediate_tensors: IntermediateTensors, num_tokens: int
 ) -> IntermediateTensors:

@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The rows both model runners hand a model after a PP hand-off, and the rows
+V2 CUDA graph replay returns, when the model keeps its stage outputs
+sequence parallel: each TP rank receives ``c = ceil(N / TP)`` rows.
+
+The runners' methods run unbound on fakes that hold only the persistent
+buffers they touch (``max_num_tokens`` rows, as the runners allocate them).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from vllm.config import CUDAGraphMode
+from vllm.distributed import pp_sequence_parallel as pp_sp
+from vllm.sequence import IntermediateTensors
+from vllm.v1.worker.gpu.cudagraph_utils import (
+    BatchExecutionDescriptor,
+    CudaGraphManager,
+    ModelCudaGraphManager,
+)
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+TOKEN_COUNTS = [1, 3, 8, 17, 64]
+TP_SIZES = [2, 4, 8]
+CAPACITY = 128  # max_num_tokens
+HIDDEN = 8
+BANK = 2  # AttnRes blocks behind the stage: the residual is 3-D
+
+
+def shard_rows(num_tokens: int, tp: int) -> int:
+    return -(-num_tokens // tp)
+
+
+def hand_off(rows: int, seed: int = 0) -> IntermediateTensors:
+    generator = torch.Generator().manual_seed(seed)
+    return IntermediateTensors(
+        {
+            "hidden_states": torch.randn(rows, HIDDEN, generator=generator),
+            "residual": torch.randn(rows, BANK, HIDDEN, generator=generator),
+            "aux_hidden_states_0": torch.randn(rows, HIDDEN, generator=generator),
+        }
+    )
+
+
+def persistent_buffers() -> IntermediateTensors:
+    return IntermediateTensors(
+        {k: torch.zeros(CAPACITY, *v.shape[1:]) for k, v in hand_off(1).items()}
+    )
+
+
+def test_row_count_is_the_one_every_tensor_shares():
+    assert pp_sp.intermediate_tensors_num_rows(hand_off(9)) == 9
+    mixed = IntermediateTensors(
+        {"hidden_states": torch.zeros(9, HIDDEN), "residual": torch.zeros(64, 4)}
+    )
+    with pytest.raises(ValueError, match="hidden_states: 9, residual: 64"):
+        pp_sp.intermediate_tensors_num_rows(mixed)
+    with pytest.raises(ValueError, match="got none"):
+        pp_sp.intermediate_tensors_num_rows(IntermediateTensors({}))
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_both_runners_take_every_received_row_at_most_num_tokens(num_tokens, tp):
+    rows = shard_rows(num_tokens, tp)
+    assert pp_sp.received_num_rows(hand_off(rows), num_tokens) == rows
+    assert pp_sp.received_num_rows(hand_off(num_tokens), num_tokens) == num_tokens
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_legacy_real_step_hands_exactly_the_received_shard(num_tokens, tp):
+    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
+    received = hand_off(shard_rows(num_tokens, tp), seed=num_tokens)
+    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, received, True
+    )
+    for key, tensor in handed.items():
+        assert tensor.shape == received[key].shape, key
+        # The leading rows of the persistent buffer: where capture reads.
+        assert tensor.data_ptr() == runner.intermediate_tensors[key].data_ptr()
+        torch.testing.assert_close(tensor, received[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_legacy_dummy_run_buffers_are_narrowed_once_by_the_model(
+    num_tokens, tp, monkeypatch
+):
+    """Dummy runs, profiling and capture hand ``num_tokens`` rows of the
+    full buffers; the model narrows them to the same leading rows a real
+    step writes."""
+    monkeypatch.setattr(pp_sp, "get_tensor_model_parallel_world_size", lambda: tp)
+    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
+    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, None, False
+    )
+    assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
+    narrowed = pp_sp.narrow_to_sequence_parallel_rows(handed, num_tokens)
+    again = pp_sp.narrow_to_sequence_parallel_rows(narrowed, num_tokens)
+    for key, tensor in narrowed.items():
+        assert tensor.shape[0] == shard_rows(num_tokens, tp)
+        assert tensor.data_ptr() == runner.intermediate_tensors[key].data_ptr()
+        assert again[key].shape == tensor.shape  # a no-op on local rows
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_legacy_real_step_without_sp_is_unchanged(num_tokens):
+    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
+    received = hand_off(num_tokens)
+    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, received, True
+    )
+    assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
+
+
+def graph_manager() -> ModelCudaGraphManager:
+    """The V2 graph manager's output state only: no devices, no graphs."""
+    manager = ModelCudaGraphManager.__new__(ModelCudaGraphManager)
+    manager.is_last_pp_rank = False
+    manager.intermediate_tensors = None
+    manager.intermediate_rows = {}
+    return manager
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_graphs_record_their_rows_and_replay_returns_them(tp, monkeypatch):
+    replayed = []
+    monkeypatch.setattr(
+        CudaGraphManager, "run_fullgraph", lambda self, desc: replayed.append(desc)
+    )
+    manager = graph_manager()
+    descs = {
+        n: BatchExecutionDescriptor(CUDAGraphMode.FULL, num_tokens=n, num_reqs=n)
+        for n in sorted(TOKEN_COUNTS, reverse=True)  # capture: largest first
+    }
+    outputs = {
+        n: hand_off(shard_rows(n, tp), seed=n) for n in descs
+    }  # fmt: skip
+    for n, desc in descs.items():
+        manager.store_intermediate_tensors(desc, outputs[n])
+    largest = shard_rows(max(TOKEN_COUNTS), tp)
+    # Later, smaller captures did not shrink the buffers the first allocated.
+    assert {t.shape[0] for t in manager.intermediate_tensors.tensors.values()} == {
+        largest
+    }
+    for n, desc in descs.items():
+        assert manager.intermediate_rows[desc] == shard_rows(n, tp)
+        view = manager.run_fullgraph(desc)
+        assert isinstance(view, IntermediateTensors)
+        for key, tensor in view.items():
+            assert tensor.shape == outputs[n][key].shape
+            assert tensor.data_ptr() == manager.intermediate_tensors[key].data_ptr()
+    assert replayed == list(descs.values())
+    # What the last capture (the smallest) wrote is what its replay returns.
+    smallest = min(TOKEN_COUNTS)
+    torch.testing.assert_close(
+        manager.run_fullgraph(descs[smallest])["hidden_states"],
+        outputs[smallest]["hidden_states"],
+        rtol=0,
+        atol=0,
+    )
