@@ -30,6 +30,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     aux_hidden_state_relay_keys,
+    reserve_aux_intermediate_tensor_slots,
 )
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
@@ -116,8 +117,15 @@ def through_legacy_runner(
 ) -> IntermediateTensors:
     """What the legacy runner hands the model after a hand-off: the received
     rows copied into its full-capacity buffers by its own code."""
+    # The runner's view of the model: aux relay slots reserved in its
+    # buffers, as set_eagle3_aux_hidden_state_layers does.
+    wrapper = types.SimpleNamespace(
+        model=model,
+        make_empty_intermediate_tensors=model.make_empty_intermediate_tensors,
+    )
+    reserve_aux_intermediate_tensor_slots(wrapper)
     runner = types.SimpleNamespace(
-        intermediate_tensors=model.make_empty_intermediate_tensors(
+        intermediate_tensors=wrapper.make_empty_intermediate_tensors(
             RUNNER_CAPACITY, torch.get_default_dtype(), torch.device("cpu")
         )
     )
