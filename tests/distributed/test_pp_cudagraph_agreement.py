@@ -32,12 +32,12 @@ def check(settings_by_stage: list[dict]) -> str | None:
 PRODUCTION = {"eager": False, "mode": "FULL_DECODE_ONLY", "sizes": [1, 2, 4, 8]}
 
 
-@topologies((1, 2), (2, 2))
+@topologies((2, 2))
 def test_stages_that_agree_start(pool):
     assert pool.run(check, [PRODUCTION, dict(PRODUCTION)]) == [None] * pool.world
 
 
-@topologies((1, 2), (2, 2))
+@topologies((2, 2))
 def test_stages_that_disagree_fail_on_every_rank_showing_both_sides(pool):
     other = {**PRODUCTION, "sizes": [1, 2, 4]}
     errors = pool.run(check, [PRODUCTION, other])
