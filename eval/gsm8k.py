@@ -248,6 +248,14 @@ def arm_summary(run: ArmRun) -> dict:
     return summary
 
 
+def differing(base: ArmRun, other: ArmRun, field: str) -> list[int]:
+    """The first doc_ids whose samples differ in ``field`` (a hash)."""
+    return [
+        d for d in sorted(base.samples)
+        if base.samples[d][field] != other.samples[d][field]
+    ][:5]  # fmt: skip
+
+
 def comparable(base: ArmRun, other: ArmRun) -> list[str]:
     """Why two runs cannot be compared, each reason naming what differs."""
     reasons = []
@@ -260,26 +268,10 @@ def comparable(base: ArmRun, other: ArmRun) -> list[str]:
             f"questions, doc_ids {only[:5]}{'...' if len(only) > 5 else ''} "
             "in one only"
         )
-    else:
-        changed = [
-            d
-            for d in sorted(base.samples)
-            if base.samples[d]["doc_hash"] != other.samples[d]["doc_hash"]
-        ]
-        if changed:
-            reasons.append(
-                f"question sets: different questions at doc_ids {changed[:5]}"
-            )
-        else:
-            prompts = [
-                d
-                for d in sorted(base.samples)
-                if base.samples[d]["prompt_hash"] != other.samples[d]["prompt_hash"]
-            ]
-            if prompts:
-                reasons.append(
-                    f"few-shot settings: different prompts at doc_ids {prompts[:5]}"
-                )
+    elif changed := differing(base, other, "doc_hash"):
+        reasons.append(f"question sets: different questions at doc_ids {changed}")
+    elif prompts := differing(base, other, "prompt_hash"):
+        reasons.append(f"few-shot settings: different prompts at doc_ids {prompts}")
     base_shots = base.results.get("n-shot", {}).get(base.task)
     other_shots = other.results.get("n-shot", {}).get(other.task)
     if base_shots != other_shots:

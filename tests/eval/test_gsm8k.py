@@ -29,6 +29,7 @@ def write_run(
     n_shot: int = 5,
     max_gen_toks: int = gsm8k.MAX_GEN_TOKS,
     answer_offset: int = 0,
+    dataset: str = "question",
 ) -> None:
     """A finished run in lm-eval's layout: per question the same answer text
     (changed by ``answer_offset``) and ``correct`` for both filters."""
@@ -44,7 +45,7 @@ def write_run(
                         "doc_id": doc_id,
                         "resps": [[f"#### {doc_id + answer_offset}"]],
                         "filter": name,
-                        "doc_hash": f"question-{doc_id}",
+                        "doc_hash": f"{dataset}-{doc_id}",
                         "prompt_hash": f"prompt-{doc_id}-{n_shot}",
                         "exact_match": 1.0 if ok else 0.0,
                     }
@@ -159,6 +160,14 @@ def test_mismatched_question_sets_are_refused(tmp_path, capsys):
     assert code == 2
     assert "mega-sp vs fi-ep: question sets: 20 vs 20 questions" in err
     assert not (tmp_path / "compare.md").exists()
+
+
+def test_other_questions_under_the_same_ids_are_refused(tmp_path, capsys):
+    write_run(tmp_path, "fi-ep", [True] * 20)
+    write_run(tmp_path, "mega-sp", [True] * 20, dataset="other-split")
+    code, _, err = compare(tmp_path, capsys)
+    assert code == 2
+    assert "question sets: different questions at doc_ids [0, 1, 2, 3, 4]" in err
 
 
 @pytest.mark.parametrize(
