@@ -230,16 +230,27 @@ def make_stage(single_rank_world, monkeypatch):
         return True
 
     monkeypatch.setattr(k3, "use_kimi_k3_sequence_parallel", decide)
+    real_groups = k3.get_pp_group, parallel_state.get_pp_group
 
-    def make(first: bool, last: bool, layers: range, aux: tuple[int, ...] = ()):
+    def make(
+        first: bool,
+        last: bool,
+        layers: range,
+        aux: tuple[int, ...] = (),
+        attn_res: bool = False,
+    ):
         # Built whole in the one-rank world, then placed on its stage.
-        model = build_model(scenario_config(1, 1, sp=False))
+        monkeypatch.setattr(k3, "get_pp_group", real_groups[0])
+        monkeypatch.setattr(parallel_state, "get_pp_group", real_groups[1])
+        model = build_model(scenario_config(1, 1, sp=False, attn_res=attn_res))
         group = types.SimpleNamespace(
             world_size=2, is_first_rank=first, is_last_rank=last
         )
         monkeypatch.setattr(k3, "get_pp_group", lambda: group)
         monkeypatch.setattr(parallel_state, "get_pp_group", lambda: group)
         model.start_layer, model.end_layer = layers.start, layers.stop
+        if attn_res:  # the blocks a stage ending there keeps, as __init__ counts
+            model.num_attn_res_blocks = -(-layers.stop // model.attn_res_block_size)
         model._set_aux_hidden_state_layers(aux)
         model.asked = asked
         return model
@@ -331,6 +342,31 @@ def test_last_stage_gathers_once_with_relayed_aux(make_stage, collectives, num_t
             rtol=0,
             atol=0,
         )
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_later_stage_with_an_empty_attn_res_bank_runs_as_the_first(
+    make_stage, collectives, num_tokens
+):
+    """A later stage that starts at layer 0 (VLLM_PP_LAYER_PARTITION gave the
+    first stage no layers) receives the embedding shard and a bank of zero
+    AttnRes blocks; it must compute what the first stage would."""
+    ids = torch.arange(num_tokens) % 100
+    positions = torch.arange(num_tokens)
+    first = make_stage(first=True, last=False, layers=range(2), attn_res=True)
+    expected = first(ids, positions, None)
+    embedded = collectives.shard(first.embed_input_ids(ids))
+    later = make_stage(first=False, last=False, layers=range(2), attn_res=True)
+    received = IntermediateTensors(
+        {
+            "hidden_states": embedded,
+            "residual": embedded.new_zeros(embedded.shape[0], 0, HIDDEN),
+        }
+    )
+    got = later(None, positions, received)
+    for key in ("hidden_states", "residual"):
+        assert got[key].shape == expected[key].shape
+        torch.testing.assert_close(got[key], expected[key], rtol=0, atol=0)
 
 
 # -- start-up checks -----------------------------------------------------
