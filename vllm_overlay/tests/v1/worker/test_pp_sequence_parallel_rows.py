@@ -1,4 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
 """The rows both model runners hand a model after a PP hand-off, and the rows
 V2 CUDA graph replay returns, when the model keeps its stage outputs
 sequence parallel: each TP rank receives ``c = ceil(N / TP)`` rows.

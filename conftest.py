@@ -1,0 +1,9 @@
+# SPDX-License-Identifier: Apache-2.0
+"""Every test here runs on the CPU: vLLM must pick its CPU platform before
+its first import, in this process and in every rank process it spawns. The
+upstream-bound tests under vllm_overlay/tests rely on this too; they use no
+device, so in vLLM's own CI they run on whatever platform it has."""
+
+import os
+
+os.environ["VLLM_TARGET_DEVICE"] = "cpu"

@@ -1,0 +1,154 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Kimi K3 sequence parallelism (SP) with pipeline parallelism (PP): the one
+SP decision and the per-key PP transport overrides the model declares."""
+
+import logging
+import types
+
+import pytest
+import torch
+
+from vllm.distributed import pp_sequence_parallel as pp_sp
+from vllm.models.kimi_k3.nvidia import model as k3
+from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
+
+
+def vllm_config(
+    tp: int = 8,
+    pp: int = 2,
+    ep: bool = True,
+    dp: int = 1,
+    backend: str = "deep_gemm_mega_moe",
+) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(
+            tensor_parallel_size=tp,
+            pipeline_parallel_size=pp,
+            enable_expert_parallel=ep,
+            data_parallel_size=dp,
+        ),
+        kernel_config=types.SimpleNamespace(moe_backend=backend),
+    )
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ({}, True),  # production: TP8 / PP2 / EP8, MegaMoE
+        ({"pp": 1}, True),
+        ({"pp": 4}, True),
+        ({"tp": 2, "pp": 3}, True),
+        ({"backend": "auto", "dp": 2}, True),  # DP attention without MegaMoE
+        ({"backend": "auto"}, False),  # 0.33.0's non-MegaMoE path, unchanged
+        ({"backend": "flashinfer_cutlass", "pp": 1}, False),
+        ({"ep": False}, False),
+        ({"ep": False, "dp": 2}, False),
+        ({"tp": 1}, False),
+        ({"tp": 1, "dp": 2}, False),
+    ],
+)
+def test_decision_table(options, expected):
+    assert k3_sp.use_kimi_k3_sequence_parallel(vllm_config(**options)) is expected
+
+
+def test_decision_is_logged_once_with_tp_pp_and_backend():
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    level = k3_sp.logger.level
+    k3_sp.logger.setLevel(logging.INFO)
+    k3_sp.logger.addHandler(handler)
+    try:
+        for _ in range(3):  # as every decoder layer asks
+            k3_sp.use_kimi_k3_sequence_parallel(vllm_config(tp=3, pp=5))
+        k3_sp.use_kimi_k3_sequence_parallel(vllm_config(tp=3, pp=5, ep=False))
+    finally:
+        k3_sp.logger.removeHandler(handler)
+        k3_sp.logger.setLevel(level)
+    assert [r.getMessage() for r in records] == [
+        "Kimi-K3 sequence parallelism enabled "
+        "(TP=3, PP=5, MoE backend=deep_gemm_mega_moe)."
+    ]
+
+
+# -- transport overrides -------------------------------------------------
+
+
+def test_overrides_mark_every_sp_key_and_aux_slot_as_not_replicated():
+    model = types.SimpleNamespace(
+        use_sequence_parallel=True, aux_hidden_state_layers=(0, 2, 3)
+    )
+    overrides = k3.KimiLinearModel.get_pp_intermediate_tensor_all_gather_overrides(
+        model
+    )
+    assert overrides == {
+        "hidden_states": False,
+        "residual": False,
+        "aux_hidden_states_0": False,
+        "aux_hidden_states_1": False,
+        "aux_hidden_states_2": False,
+    }
+
+
+def test_overrides_are_empty_without_sp():
+    model = types.SimpleNamespace(
+        use_sequence_parallel=False, aux_hidden_state_layers=(0, 2)
+    )
+    assert (
+        k3.KimiLinearModel.get_pp_intermediate_tensor_all_gather_overrides(model) == {}
+    )
+
+
+@pytest.mark.parametrize(
+    ("wrapper", "inner"),
+    [
+        (k3.KimiLinearForCausalLM, "model"),
+        (k3.KimiK3ForConditionalGeneration, "language_model"),
+    ],
+)
+def test_wrappers_delegate_the_overrides(wrapper, inner):
+    declared = {"hidden_states": False, "aux_hidden_states_0": False}
+    inner_model = types.SimpleNamespace(
+        get_pp_intermediate_tensor_all_gather_overrides=lambda: declared
+    )
+    outer = types.SimpleNamespace(**{inner: inner_model})
+    assert wrapper.get_pp_intermediate_tensor_all_gather_overrides(outer) is declared
+
+
+OVERRIDES = "get_pp_intermediate_tensor_all_gather_overrides"
+
+
+def test_multimodal_wrapper_reaches_the_text_model_without_fallback():
+    text_model = types.SimpleNamespace(
+        use_sequence_parallel=True, aux_hidden_state_layers=(3,)
+    )
+    setattr(
+        text_model,
+        OVERRIDES,
+        types.MethodType(getattr(k3.KimiLinearModel, OVERRIDES), text_model),
+    )
+    causal_lm = types.SimpleNamespace(model=text_model)
+    setattr(
+        causal_lm,
+        OVERRIDES,
+        types.MethodType(getattr(k3.KimiLinearForCausalLM, OVERRIDES), causal_lm),
+    )
+    get = getattr(k3.KimiK3ForConditionalGeneration, OVERRIDES)
+    assert get(types.SimpleNamespace(language_model=causal_lm)) == {
+        "hidden_states": False,
+        "residual": False,
+        "aux_hidden_states_0": False,
+    }
+    # A language model without the method is a bug to surface, not "{}".
+    with pytest.raises(AttributeError):
+        get(types.SimpleNamespace(language_model=object()))
+
+
+def test_transport_helper_asks_the_model_or_keeps_the_default():
+    declared = {"hidden_states": False}
+    model = types.SimpleNamespace(
+        get_pp_intermediate_tensor_all_gather_overrides=lambda: declared
+    )
+    assert pp_sp.pp_all_gather_overrides(model) is declared
+    assert pp_sp.pp_all_gather_overrides(torch.nn.Linear(2, 2)) is None
