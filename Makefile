@@ -72,8 +72,12 @@ status:
 check:
 	$(APPLY) check $(TARGET)
 
-# Tests always run in .venv, so they apply there whatever VLLM says.
+# Tests always run in .venv, so they apply there whatever VLLM says; an
+# older revision of this patch set applied there (exit 6) is replaced.
 test: setup
+	@$(APPLY) status > /dev/null; if [ $$? -eq 6 ]; then \
+		echo "make test: .venv has another revision of the patch set; replacing it"; \
+		$(APPLY) revert; fi
 	$(APPLY) apply
 	$(VPY) -m pytest $(PYTEST_ARGS)
 
