@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eval import serve
-from eval.openai_server import ServerError, check_server, prefix_caching
+from eval.openai_server import (
+    ServerError,
+    add_server_arguments,
+    check_server,
+    prefix_caching,
+)
 from eval.provenance import provenance
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -372,13 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = sub.add_parser("run", help="the sweep for one arm")
-    run_parser.add_argument("--arm", required=True)
-    run_parser.add_argument("--base-url", required=True)
-    run_parser.add_argument("--model", required=True)
+    add_server_arguments(run_parser)
     run_parser.add_argument("--tokenizer", required=True)
     run_parser.add_argument("--points", help="subset, e.g. 128x1,8192x4")
     run_parser.add_argument("--allow-prefix-caching", action="store_true")
-    run_parser.add_argument("--target", help="vLLM whose patch state to record")
     run_parser.add_argument(
         "--vllm",
         default=str(Path(sys.executable).parent / "vllm"),

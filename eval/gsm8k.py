@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eval import serve
-from eval.openai_server import ServerError, check_server
+from eval.openai_server import ServerError, add_server_arguments, check_server
 from eval.provenance import provenance
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -422,12 +422,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--results", type=Path, default=RESULTS_DIR)
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = sub.add_parser("run", help="GSM8K for one arm")
-    run_parser.add_argument("--arm", required=True)
-    run_parser.add_argument("--base-url", required=True)
-    run_parser.add_argument("--model", required=True)
+    add_server_arguments(run_parser)
     run_parser.add_argument("--limit", type=int)
     run_parser.add_argument("--data", type=Path, help="dir with train/test.jsonl")
-    run_parser.add_argument("--target", help="vLLM whose patch state to record")
     run_parser.add_argument("--force", action="store_true")
     compare_parser = sub.add_parser("compare", help="paired verdict across arms")
     compare_parser.add_argument("--baseline", default="fi-ep")

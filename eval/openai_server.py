@@ -3,12 +3,21 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import urllib.error
 import urllib.request
 
 NETWORK_ERRORS = (urllib.error.URLError, OSError, ValueError)
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options every run against a serving arm takes."""
+    parser.add_argument("--arm", required=True)
+    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--model", required=True, help="the served model name")
+    parser.add_argument("--target", help="vLLM whose patch state to record")
 
 
 class ServerError(Exception):
