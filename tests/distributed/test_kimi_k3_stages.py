@@ -120,8 +120,9 @@ def test_sp_end_of_stage_is_one_packed_gather(pool, reference):
 @topologies((2, 2))
 def test_sp_across_stages_through_the_legacy_runner_buffers(pool, reference):
     """The receiving stage takes the hand-off through the legacy runner's
-    full-capacity buffers, copied by its own (patched) code: the model gets
-    exactly the sender's shard."""
+    full-capacity buffers, copied by its own (patched) code, which the V2
+    runner shares (hand_over_intermediate_tensors): the model gets exactly
+    the sender's shard."""
     chosen = [Scenario(True, n, runner="legacy") for n in token_counts(pool.tp)]
     chosen += [
         Scenario(sp, 17, attn_res=True, aux_layers=aux_taps(pool.pp), runner="legacy")

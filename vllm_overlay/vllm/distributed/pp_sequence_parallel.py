@@ -50,6 +50,27 @@ def received_num_rows(
     return min(num_tokens, intermediate_tensors_num_rows(intermediate_tensors))
 
 
+def hand_over_intermediate_tensors(
+    buffers: IntermediateTensors,
+    received: IntermediateTensors | None,
+    num_tokens: int,
+) -> IntermediateTensors:
+    """What a runner hands the model on a non-first PP stage.
+
+    A real step copies the received rows into the leading rows of the
+    persistent ``buffers`` and hands exactly those rows. Without ``received``
+    (dummy runs, profiling, capture) the buffers' first ``num_tokens`` rows go
+    as they are, and a sequence-parallel model narrows them itself: to the
+    same leading rows a real step writes, where captured graphs read.
+    """
+    if received is None:
+        return buffers[:num_tokens]
+    rows = received_num_rows(received, num_tokens)
+    for key, tensor in received.items():
+        buffers[key][:rows].copy_(tensor[:rows], non_blocking=True)
+    return buffers[:rows]
+
+
 def narrow_to_sequence_parallel_rows(
     intermediate_tensors: IntermediateTensors, num_tokens: int
 ) -> IntermediateTensors:

@@ -23,6 +23,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import (
     CudaGraphManager,
     ModelCudaGraphManager,
 )
+from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 TOKEN_COUNTS = [1, 3, 8, 17, 64]
@@ -164,4 +165,37 @@ def test_graphs_record_their_rows_and_replay_returns_them(tp, monkeypatch):
         outputs[smallest]["hidden_states"],
         rtol=0,
         atol=0,
+    )
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_v2_hand_over_copies_real_steps_and_passes_dummy_buffers(num_tokens, tp):
+    """What the V2 runner's execute_model hands over, real step and dummy
+    run (memory and graph profiling go through the dummy run)."""
+    buffers = persistent_buffers()
+    received = hand_off(shard_rows(num_tokens, tp), seed=tp)
+    real = pp_sp.hand_over_intermediate_tensors(buffers, received, num_tokens)
+    dummy = pp_sp.hand_over_intermediate_tensors(buffers, None, num_tokens)
+    for key in received.tensors:
+        torch.testing.assert_close(real[key], received[key], rtol=0, atol=0)
+        assert dummy[key].shape[0] == num_tokens
+        assert real[key].data_ptr() == dummy[key].data_ptr()  # same leading rows
+
+
+def test_v2_relay_hands_on_as_many_rows_as_the_stage_outputs():
+    """TP8, a 64-token dummy run: the stage outputs its 8-row shard, while
+    the relayed aux state came in as 64 full buffer rows. Relayed rows must
+    match the output's, or the hand-off mixes 64 and 8 rows."""
+    handler = types.SimpleNamespace(
+        aux_hidden_state_relay_keys=("aux_hidden_states_0",)
+    )
+    inputs = persistent_buffers()[:64]
+    output = IntermediateTensors(
+        {k: v for k, v in hand_off(8).items() if not k.startswith("aux")}
+    )
+    relayed = PPHandler.relay_aux_hidden_states(handler, inputs, output)
+    assert pp_sp.intermediate_tensors_num_rows(relayed) == 8
+    assert relayed["aux_hidden_states_0"].data_ptr() == (
+        inputs["aux_hidden_states_0"].data_ptr()
     )
