@@ -199,3 +199,21 @@ def test_v2_relay_hands_on_as_many_rows_as_the_stage_outputs():
     assert relayed["aux_hidden_states_0"].data_ptr() == (
         inputs["aux_hidden_states_0"].data_ptr()
     )
+
+
+def test_buffers_keep_full_capacity_when_a_hand_over_raises():
+    """Views are sliced per call, never narrowed in place: a hand-over that
+    fails leaves the persistent buffers at ``max_num_tokens`` rows."""
+    buffers = persistent_buffers()
+    mixed = IntermediateTensors(
+        {
+            "hidden_states": torch.zeros(8, HIDDEN),
+            "residual": torch.zeros(64, BANK, HIDDEN),
+        }
+    )
+    with pytest.raises(ValueError, match="hidden_states: 8, residual: 64"):
+        pp_sp.hand_over_intermediate_tensors(buffers, mixed, 64)
+    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+    handed = pp_sp.hand_over_intermediate_tensors(buffers, hand_off(8), 64)
+    assert {t.shape[0] for t in handed.tensors.values()} == {8}
+    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
