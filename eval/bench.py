@@ -146,7 +146,6 @@ def write_manifest(
 ):
     path = out / "manifest.json"
     manifest = json.loads(path.read_text()) if path.is_file() else {"runs": []}
-    placeholders = {k: f"<{make}>" for k, (make, _) in serve.PLACEHOLDERS.items()}
     manifest.update(
         {
             "arm": arm.name,
@@ -154,9 +153,7 @@ def write_manifest(
             "base_url": args.base_url,
             "model": args.model,
             "tokenizer": args.tokenizer,
-            "serve_command": serve.build(
-                arm.name, {**placeholders, "node_rank": "0"}
-            ).shell(),
+            "serve_command": serve.command_template(arm.name),
         }
     )
     manifest["runs"].append(

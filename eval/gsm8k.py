@@ -154,17 +154,13 @@ def run(args: argparse.Namespace) -> int:
     if proc.returncode != 0:
         raise GSM8KError(f"lm-eval exited {proc.returncode}; see its output above")
     results_file, samples_file = lm_eval_outputs(out / "lm_eval")
-    # The arm's command as `make serve` prints it, values left as <MAKEVAR>.
-    placeholders = {k: f"<{make}>" for k, (make, _) in serve.PLACEHOLDERS.items()}
     manifest = {
         "arm": arm.name,
         "label": arm.label,
         "base_url": base_url,
         "model": args.model,
         "served_vllm_version": served_version,
-        "serve_command": serve.build(
-            arm.name, {**placeholders, "node_rank": "0"}
-        ).shell(),
+        "serve_command": serve.command_template(arm.name),
         "lm_eval": {
             "version": lm_eval_version(),
             "args": lm_args,

@@ -130,6 +130,13 @@ def build(
     return ServeCommand(env, tuple(argv))
 
 
+def command_template(arm_name: str) -> str:
+    """The arm's head-node command with each value left as ``<MAKEVAR>``:
+    what result manifests record."""
+    values = {key: f"<{make}>" for key, (make, _) in PLACEHOLDERS.items()}
+    return build(arm_name, {**values, "node_rank": "0"}).shell()
+
+
 def flag_value(command: ServeCommand, flag: str) -> str | None:
     argv = list(command.argv)
     return argv[argv.index(flag) + 1] if flag in argv else None
