@@ -1,26 +1,53 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Time the two communication patterns SP×PP changes, with torch.distributed only.
+"""Time the communication SP×PP changes, back to back, with torch.distributed only.
 
-(a) ``handoff`` — TP×PP2: hand ``hidden_states`` and ``residual`` from stage 0 to
-    stage 1. *sp*: TP rank r sends its ``ceil(N/TP)``-row shard straight to TP
-    rank r of the next stage. *replicated*: what a model without the transport
-    override costs: all-gather the shards inside TP, send a 1/TP slice of the
-    full tensor, all-gather it again on the receiver.
-(b) ``gather`` — TP only: the last stage's end gather of the final hidden
-    states and ``k`` aux states: one all-gather of ``[final | aux...]`` packed
-    along the hidden dimension against ``k + 1`` separate all-gathers.
+Parts (``--part``, comma-separated; each needs only PyTorch):
 
-Each point checks once that both variants deliver the same rows, then times
-``--iters`` iterations after ``--warmup``; every iteration starts after a
-barrier and its time is the slowest rank's (CUDA events on GPU, a monotonic
-clock on CPU). Results go to ``--out`` as JSON (with versions and command)
-and a Markdown table of medians and ratios.
+``gather``
+    The last stage's end gather at TP: the final hidden states and ``k`` aux
+    states, ``ceil(N/TP)`` rows each per rank. *packed* is what the model does:
+    ``torch.cat`` along the hidden dimension, one all-gather, trim to ``N``
+    rows, split. *separate* is ``k + 1`` all-gathers of the unpacked tensors,
+    each trimmed to ``N``. *packed_nocopy* is packing without the copy: the
+    states already lie in one preallocated buffer, so only the gather, trim and
+    split are left (what writing them there costs the producers is not timed).
+``components``
+    The SP hand-off at two GPUs, by its parts: a send of the ``ceil(N/2)``-row
+    shards of ``hidden_states`` and ``residual`` from rank 0 to rank 1, and an
+    all-gather of the same two shards over both ranks. The hand-off ratio of a
+    replicated transport, ``(send + 2 all-gathers) / send``, is derived from
+    these, not measured.
+``handoff``
+    The hand-off itself at TP×PP2 (``2·TP`` ranks): *sp* sends each shard to
+    the same TP rank of the next stage; *replicated* all-gathers inside TP,
+    sends a 1/TP slice and all-gathers again on the receiver.
+``peak``
+    What the link and the memory can do: a large peer copy GPU 0 → GPU 1 (the
+    link's peak, read by every other table), a large NCCL send and all-gather,
+    and a large copy inside GPU 0.
 
-    torchrun --nproc-per-node 4 eval/nccl_bench.py --part handoff --tp 2
-    torchrun --nproc-per-node 4 eval/nccl_bench.py --part gather --tp 4
+Timing follows nccl-tests: warm up; then, ``--reps`` times, align the ranks
+(device synchronise, host barrier), enqueue ``M`` iterations back to back
+between two CUDA events and divide by ``M``. ``M`` is chosen from the warm-up
+so that one repetition lasts about ``--target-ms``, the same on every rank.
+Each repetition's figure is the slowest rank's; a measurement reports their
+median, minimum and maximum, and keeps every repetition of every rank. With
+``--cuda-graph`` the ``M`` iterations are captured once and each repetition
+replays the graph. Bandwidths: ``algbw = bytes / time``; ``busbw`` scales it
+by ``(n-1)/n`` for an all-gather of ``n`` ranks and by 1 for a send or a copy.
 
-On CPU (gloo) it runs the same code at tiny sizes, which is how the tests keep
-it from rotting.
+Every point first checks that each variant delivers exactly the rows the
+model needs. Results go to ``--out`` as JSON (setup, device, versions,
+command, every repetition) and a Markdown table built from that JSON alone
+(``--table-from FILE.json`` rebuilds it).
+
+    python -m torch.distributed.run --nproc-per-node 2 eval/nccl_bench.py \\
+        --part peak,gather,components
+    python -m torch.distributed.run --nproc-per-node 4 eval/nccl_bench.py \\
+        --part handoff --tp 2
+
+On CPU it runs the same code over gloo (host clock instead of CUDA events),
+which is how the tests keep it honest without a GPU.
 """
 
 from __future__ import annotations
@@ -28,262 +55,876 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import platform
+import shlex
 import statistics
+import subprocess
 import sys
 import time
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# vLLM's all-gather calls all_gather_into_tensor; newer PyTorch warns about it.
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated")
+
+__all__ = [
+    "RowsDiffer",
+    "check_gather",
+    "crossover",
+    "layout_problem",
+    "main",
+    "markdown",
+    "packed_gather",
+    "packed_nocopy_gather",
+    "separate_gather",
+    "summarize",
+]
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+PARTS = ("peak", "gather", "components", "handoff")
+DEFAULT_TOKENS = "8,64,256,1024,4096,16384,32768"
+# Multicast over NVLink can take a shared host's GPUs down: always off.
+SAFETY_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+GatherFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+class RowsDiffer(AssertionError):
+    """A variant delivered other rows than the model needs."""
 
 
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class Timer:
-    """Per-iteration wall time of the slowest rank."""
+# --- what the model does at the end gather, and its alternatives ----------
 
-    def __init__(self, device: torch.device) -> None:
+
+def packed_gather(
+    parts: Sequence[torch.Tensor], n: int, gather: GatherFn
+) -> list[torch.Tensor]:
+    """The model's path: one buffer, one gather, trim to ``n``, split back."""
+    hidden = parts[0].shape[-1]
+    packed = torch.cat(list(parts), dim=-1)
+    return list(gather(packed)[:n].split(hidden, dim=-1))
+
+
+def packed_nocopy_gather(
+    packed: torch.Tensor, n: int, hidden: int, gather: GatherFn
+) -> list[torch.Tensor]:
+    """Packing without the copy: the states were written into ``packed``."""
+    return list(gather(packed)[:n].split(hidden, dim=-1))
+
+
+def separate_gather(
+    parts: Sequence[torch.Tensor], n: int, gather: GatherFn
+) -> list[torch.Tensor]:
+    """One gather per state, each trimmed to ``n``."""
+    return [gather(part)[:n] for part in parts]
+
+
+def check_rows(label: str, got: Sequence[torch.Tensor], want: Sequence[torch.Tensor]):
+    if len(got) != len(want):
+        raise RowsDiffer(f"{label}: {len(got)} tensors, expected {len(want)}")
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        if g.shape != w.shape:
+            raise RowsDiffer(
+                f"{label}: tensor {i} has shape {tuple(g.shape)}, "
+                f"expected {tuple(w.shape)}"
+            )
+        if not torch.equal(g, w):
+            bad = (g != w).any(dim=-1).nonzero().flatten()
+            raise RowsDiffer(
+                f"{label}: tensor {i} differs in {bad.numel()} rows, "
+                f"first {bad[:5].tolist()}"
+            )
+
+
+def full_states(
+    n: int, count: int, hidden: int, seed: int, dtype, device
+) -> list[torch.Tensor]:
+    """``count`` random ``[n, hidden]`` tensors, the same on every rank."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return [
+        torch.randn((n, hidden), generator=generator, device=device).to(dtype)
+        for _ in range(count)
+    ]
+
+
+def shard(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """Rows ``[r·c, (r+1)·c)`` of the zero-padded sequence, ``c = ceil(N/TP)``."""
+    rows = ceil_div(full.shape[0], tp)
+    padded = full.new_zeros((tp * rows, *full.shape[1:]))
+    padded[: full.shape[0]] = full
+    return padded[rank * rows : (rank + 1) * rows].clone()
+
+
+def check_gather(
+    n: int,
+    k: int,
+    hidden: int,
+    tp: int,
+    rank: int,
+    gather: GatherFn,
+    *,
+    dtype=torch.float32,
+    device: torch.device | str = "cpu",
+    packed: Callable = packed_gather,
+    separate: Callable = separate_gather,
+    nocopy: Callable = packed_nocopy_gather,
+) -> None:
+    """Every variant delivers the ``N`` rows of the final and all ``k`` aux
+    states, in order, on this rank; raises :class:`RowsDiffer` otherwise."""
+    want = full_states(n, k + 1, hidden, seed=7919 * n + k, dtype=dtype, device=device)
+    parts = [shard(t, tp, rank) for t in want]
+    check_rows(f"packed gather (N={n}, k={k})", packed(parts, n, gather), want)
+    check_rows(f"separate gathers (N={n}, k={k})", separate(parts, n, gather), want)
+    buffer = torch.cat(parts, dim=-1)
+    got = nocopy(buffer, n, hidden, gather)
+    check_rows(f"packed gather without copy (N={n}, k={k})", got, want)
+
+
+# --- statistics, bandwidth, crossover ---------------------------------------
+
+
+def summarize(per_rank_s: Sequence[Sequence[float]], iters: int) -> dict:
+    """Per repetition, the slowest rank; then median and spread over them."""
+    slowest = [max(column) * 1e6 for column in zip(*per_rank_s, strict=True)]
+    median = statistics.median(slowest)
+    return {
+        "iters": iters,
+        "reps_us": slowest,
+        "per_rank_us": [[t * 1e6 for t in row] for row in per_rank_s],
+        "median_us": median,
+        "min_us": min(slowest),
+        "max_us": max(slowest),
+        "spread_pct": 100 * (max(slowest) - min(slowest)) / median,
+    }
+
+
+def with_bandwidth(measurement: dict, nbytes: int, bus_factor: float) -> dict:
+    seconds = measurement["median_us"] / 1e6
+    algbw = nbytes / seconds / 1e9
+    return measurement | {
+        "bytes": nbytes,
+        "bus_factor": bus_factor,
+        "algbw_GBps": algbw,
+        "busbw_GBps": algbw * bus_factor,
+    }
+
+
+def crossover(points: Sequence[dict], k: int) -> dict:
+    """Where the packed gather stops being at least as fast as separate ones.
+
+    ``first_slower_N`` is the smallest measured ``N`` from which packing is
+    slower at every larger measured ``N``; ``threshold_N`` interpolates the
+    crossing of ``packed / separate = 1`` in ``log N`` between it and the
+    point before.
+    """
+    rows = sorted((p for p in points if p["k"] == k), key=lambda p: p["N"])
+    result = {"k": k, "first_slower_N": None, "last_not_slower_N": None}
+    result |= {"threshold_N": None, "threshold_packed_bytes_per_rank": None}
+    result["slower_at_N"] = [p["N"] for p in rows if p["packed_over_separate"] > 1]
+    if not rows:
+        return result
+    first = None
+    for i in range(len(rows) - 1, -1, -1):
+        if rows[i]["packed_over_separate"] > 1:
+            first = i
+        else:
+            break
+    if first is None:
+        return result
+    result["first_slower_N"] = rows[first]["N"]
+    if first == 0:
+        return result
+    before, after = rows[first - 1], rows[first]
+    result["last_not_slower_N"] = before["N"]
+    r0, r1 = before["packed_over_separate"], after["packed_over_separate"]
+    x0, x1 = math.log(before["N"]), math.log(after["N"])
+    n_star = math.exp(x0 + (1 - r0) / (r1 - r0) * (x1 - x0))
+    per_row = before["packed_bytes_per_rank"] / before["rows_per_rank"]
+    tp = before["tp"]
+    result["threshold_N"] = n_star
+    result["threshold_packed_bytes_per_rank"] = per_row * n_star / tp
+    return result
+
+
+# --- process groups and the clock -----------------------------------------
+
+
+@dataclass
+class Group:
+    ranks: list[int]
+    device_pg: object  # the backend that moves tensors (nccl or gloo)
+    host_pg: object  # gloo: barriers that leave the GPUs idle
+
+    @property
+    def member(self) -> bool:
+        return dist.get_rank() in self.ranks
+
+
+def make_group(ranks: Sequence[int], cuda: bool) -> Group:
+    """Every rank must call this, in the same order."""
+    ranks = list(ranks)
+    device_pg = dist.new_group(ranks)
+    host_pg = dist.new_group(ranks, backend="gloo") if cuda else device_pg
+    return Group(ranks, device_pg, host_pg)
+
+
+class Clock:
+    """Back-to-back timing of a step on the members of a group."""
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args = args
         self.device = device
         self.cuda = device.type == "cuda"
+        self.graph = bool(args.cuda_graph)
 
-    def measure(self, step: Callable[[], object]) -> float:
-        dist.barrier()
+    def align(self, group: Group) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        dist.barrier(group=group.host_pg)
+
+    def _block(self, run: Callable[[], object]) -> float:
+        """Seconds one call of ``run`` takes on this rank."""
         if self.cuda:
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
             start.record()
-            step()
+            run()
             end.record()
             end.synchronize()
-            elapsed = start.elapsed_time(end) / 1e3
-        else:
-            begin = time.perf_counter()
-            step()
-            elapsed = time.perf_counter() - begin
-        # NCCL reduces device tensors only.
-        slowest = torch.tensor([elapsed], dtype=torch.float64, device=self.device)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        return slowest.item()
+            return start.elapsed_time(end) / 1e3
+        begin = time.perf_counter()
+        run()
+        return time.perf_counter() - begin
+
+    def _exchange(self, values: list[float], group: Group) -> list[list[float]]:
+        """Every member's ``values``, in rank order."""
+        mine = torch.tensor(values, dtype=torch.float64, device=self.device)
+        out = mine.new_empty(len(group.ranks) * len(values))
+        dist.all_gather_into_tensor(out, mine, group=group.device_pg)
+        return out.reshape(len(group.ranks), len(values)).tolist()
+
+    def measure(self, step: Callable[[], object], group: Group) -> dict:
+        args = self.args
+
+        def loop(count: int) -> Callable[[], None]:
+            def run() -> None:
+                for _ in range(count):
+                    step()
+
+            return run
+
+        self.align(group)
+        estimate = self._block(loop(args.warmup)) / args.warmup
+        estimate = max(max(row) for row in self._exchange([estimate], group))
+        iters = int(
+            min(args.max_iters, max(args.min_iters, args.target_ms / 1e3 / estimate))
+        )
+        run = loop(iters)
+        if self.graph:
+            run = self._capture(run)
+        figures = []
+        for _ in range(args.reps):
+            self.align(group)
+            figures.append(self._block(run) / iters)
+        return summarize(self._exchange(figures, group), iters)
+
+    def _capture(self, run: Callable[[], None]) -> Callable[[], None]:
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        # Thread-local: the process group's watchdog thread keeps querying.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            run()
+        torch.cuda.synchronize()
+        return graph.replay
 
 
-def summarize(times: list[float]) -> dict[str, float]:
-    ordered = sorted(times)
-    return {
-        "median_us": statistics.median(ordered) * 1e6,
-        "p10_us": ordered[len(ordered) // 10] * 1e6,
-        "p90_us": ordered[(len(ordered) * 9) // 10] * 1e6,
-    }
-
-
-def time_variants(
-    args: argparse.Namespace, device: torch.device, **variants: Callable[[], object]
-) -> dict[str, dict[str, float]]:
-    """``--warmup`` then ``--iters`` timed runs of each variant, in turn."""
-    timer = Timer(device)
-    timings = {}
-    for name, step in variants.items():
-        for _ in range(args.warmup):
-            timer.measure(step)
-        timings[name] = summarize([timer.measure(step) for _ in range(args.iters)])
-    return timings
-
-
-def all_gather(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    size = dist.get_world_size(group)
+def all_gather_rows(x: torch.Tensor, pg) -> torch.Tensor:
+    """``sp_all_gather``: the ranks' row shards, stacked in rank order."""
+    size = dist.get_world_size(pg)
     out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    dist.all_gather_into_tensor(out, x.contiguous(), group=group)
+    dist.all_gather_into_tensor(out, x, group=pg)
     return out
 
 
-def handoff_point(args, n: int, groups, device) -> dict:
-    """Stage 0 → stage 1, both variants; returns timings of this point."""
+# --- the parts ----------------------------------------------------------------
+
+
+def gather_point(args, n: int, k: int, group: Group, clock: Clock, device) -> dict:
+    tp = len(group.ranks)
+    rank = group.ranks.index(dist.get_rank())
+    rows, esize = ceil_div(n, tp), torch.empty((), dtype=args.torch_dtype).itemsize
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return all_gather_rows(x, group.device_pg)
+
+    check_gather(
+        n, k, args.hidden, tp, rank, gather, dtype=args.torch_dtype, device=device
+    )
+    states = full_states(n, k + 1, args.hidden, 31 * n + k, args.torch_dtype, device)
+    parts = [shard(t, tp, rank) for t in states]
+    del states
+    buffer = torch.cat(parts, dim=-1)
+    gathered = (k + 1) * tp * rows * args.hidden * esize
+    factor = (tp - 1) / tp
+    point = {"N": n, "k": k, "tp": tp, "rows_per_rank": rows}
+    point["packed_bytes_per_rank"] = (k + 1) * rows * args.hidden * esize
+    point["gathered_bytes"] = gathered
+    variants = {
+        "packed": lambda: packed_gather(parts, n, gather),
+        "separate": lambda: separate_gather(parts, n, gather),
+        "packed_nocopy": lambda: packed_nocopy_gather(buffer, n, args.hidden, gather),
+    }
+    for name, step in variants.items():
+        point[name] = with_bandwidth(clock.measure(step, group), gathered, factor)
+    point["packed_over_separate"] = (
+        point["packed"]["median_us"] / point["separate"]["median_us"]
+    )
+    point["nocopy_over_separate"] = (
+        point["packed_nocopy"]["median_us"] / point["separate"]["median_us"]
+    )
+    point["packed_separate_overlap"] = (
+        point["packed"]["min_us"] <= point["separate"]["max_us"]
+        and point["separate"]["min_us"] <= point["packed"]["max_us"]
+    )
+    return point
+
+
+def send_states(tensors, peer: int, pg) -> None:
+    # The PP transport sends one tensor after another.
+    for t in tensors:
+        dist.send(t, peer, group=pg)
+
+
+def recv_states(out, peer: int, pg) -> None:
+    for t in out:
+        dist.recv(t, peer, group=pg)
+
+
+def components_point(args, n: int, pair: Group, clock: Clock, device) -> dict:
+    """Rank 0 → rank 1 send of both shards; all-gather of both shards."""
+    rank = pair.ranks.index(dist.get_rank())
+    rows, esize = ceil_div(n, 2), torch.empty((), dtype=args.torch_dtype).itemsize
+    full = full_states(n, 2, args.hidden, 17 * n, args.torch_dtype, device)
+    mine = [shard(t, 2, rank) for t in full]  # hidden_states, residual
+    sender_rows = [shard(t, 2, 0) for t in full]
+    inbox = [torch.empty_like(t) for t in mine]
+    peer = pair.ranks[1 - rank]
+
+    def send() -> None:
+        if rank == 0:
+            send_states(sender_rows, peer, pair.device_pg)
+        else:
+            recv_states(inbox, peer, pair.device_pg)
+
+    def all_gather() -> list[torch.Tensor]:
+        return [all_gather_rows(t, pair.device_pg)[:n] for t in mine]
+
+    send()
+    if rank == 1:
+        check_rows(f"send (N={n})", inbox, sender_rows)
+    check_rows(f"all-gather (N={n})", all_gather(), full)
+    nbytes = 2 * rows * args.hidden * esize
+    point = {"N": n, "rows_per_rank": rows, "bytes_per_tensor": nbytes // 2}
+    point["send"] = with_bandwidth(clock.measure(send, pair), nbytes, 1.0)
+    point["all_gather"] = with_bandwidth(
+        clock.measure(all_gather, pair), 2 * nbytes, 0.5
+    )
+    send_us, gather_us = point["send"]["median_us"], point["all_gather"]["median_us"]
+    point["derived_handoff_ratio"] = (send_us + 2 * gather_us) / send_us
+    return point
+
+
+def handoff_point(args, n: int, world: Group, stages, clock: Clock, device) -> dict:
+    """TP×PP2: stage 0 hands ``hidden_states`` and ``residual`` to stage 1."""
     tp, rank = args.tp, dist.get_rank()
     tp_rank, stage = rank % tp, rank // tp
-    tp_group = groups[stage]
+    tp_pg = stages[stage].device_pg
     peer = rank + tp if stage == 0 else rank - tp
     rows = ceil_div(n, tp)
-    dtype = DTYPES[args.dtype]
-    generator = torch.Generator().manual_seed(n)
-    full = torch.randn((tp * rows, args.hidden), generator=generator).to(device, dtype)
-    shard = full[tp_rank * rows : (tp_rank + 1) * rows]
-    tensors = [shard.clone(), (shard * 2).clone()]  # hidden_states, residual
+    esize = torch.empty((), dtype=args.torch_dtype).itemsize
+    full = full_states(n, 2, args.hidden, 13 * n, args.torch_dtype, device)
+    mine = [shard(t, tp, tp_rank) for t in full]
+    inbox = [torch.empty_like(t) for t in mine]
+    slices = [
+        torch.empty(rows * args.hidden, dtype=t.dtype, device=device) for t in mine
+    ]
 
     def sp() -> list[torch.Tensor]:
-        out = [torch.empty_like(t) for t in tensors]
-        ops = [
-            dist.P2POp(dist.isend if stage == 0 else dist.irecv, t, peer)
-            for t in (tensors if stage == 0 else out)
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        return out
+        if stage == 0:
+            send_states(mine, peer, None)
+            return []
+        recv_states(inbox, peer, None)
+        return inbox
 
     def replicated() -> list[torch.Tensor]:
         if stage == 0:
-            slices = [all_gather(t, tp_group).reshape(tp, -1)[tp_rank] for t in tensors]
-            ops = [dist.P2POp(dist.isend, s.contiguous(), peer) for s in slices]
-        else:
-            slices = [
-                torch.empty(rows * args.hidden, dtype=dtype, device=device)
-                for _ in tensors
+            # vLLM's replicated path: gather inside TP, send this rank's 1/TP.
+            full_rows = [
+                all_gather_rows(t, tp_pg).reshape(tp, -1)[tp_rank] for t in mine
             ]
-            ops = [dist.P2POp(dist.irecv, s, peer) for s in slices]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        if stage == 0:
+            send_states(full_rows, peer, None)
             return []
-        # The receiver rebuilds the full tensor and keeps its own shard rows.
+        recv_states(slices, peer, None)
         return [
-            all_gather(s, tp_group).reshape(tp * rows, -1)[
+            all_gather_rows(s, tp_pg).reshape(tp * rows, -1)[
                 tp_rank * rows : (tp_rank + 1) * rows
             ]
             for s in slices
         ]
 
+    got_sp, got_rep = sp(), replicated()
     if stage == 1:
-        for got, want in zip(sp(), [shard, shard * 2], strict=True):
-            assert torch.equal(got, want), f"sp hand-off corrupted rows (N={n})"
-        for got, want in zip(replicated(), [shard, shard * 2], strict=True):
-            assert torch.equal(got, want), f"replicated hand-off corrupted rows (N={n})"
-    else:
-        sp()
-        replicated()
-    result = {"N": n, "rows_per_rank": rows}
-    result |= time_variants(args, device, sp=sp, replicated=replicated)
-    result["ratio"] = result["replicated"]["median_us"] / result["sp"]["median_us"]
+        check_rows(f"sp hand-off (N={n})", got_sp, mine)
+        check_rows(f"replicated hand-off (N={n})", got_rep, mine)
+    nbytes = 2 * rows * args.hidden * esize
+    point = {"N": n, "tp": tp, "rows_per_rank": rows, "bytes_per_rank": nbytes}
+    point["sp"] = with_bandwidth(clock.measure(sp, world), nbytes, 1.0)
+    point["replicated"] = with_bandwidth(clock.measure(replicated, world), nbytes, 1.0)
+    point["replicated_over_sp"] = (
+        point["replicated"]["median_us"] / point["sp"]["median_us"]
+    )
+    return point
+
+
+def peak_part(args, pair: Group, clock: Clock, device) -> dict:
+    """Large transfers: what the link and the memory can do on this machine."""
+    nbytes = args.peak_mib * 2**20
+    rank = pair.ranks.index(dist.get_rank())
+    result: dict = {}
+    generator = torch.Generator(device=device).manual_seed(5)
+    payload = torch.randint(
+        0, 256, (nbytes,), generator=generator, device=device, dtype=torch.uint8
+    )
+    inbox = torch.empty_like(payload)
+
+    def send() -> None:
+        if rank == 0:
+            dist.send(payload, pair.ranks[1], group=pair.device_pg)
+        else:
+            dist.recv(inbox, pair.ranks[0], group=pair.device_pg)
+
+    send()
+    if rank == 1:
+        check_rows("peak send", [inbox], [payload])
+    result["nccl_send"] = with_bandwidth(clock.measure(send, pair), nbytes, 1.0)
+    half = payload[: nbytes // 2]
+
+    def all_gather() -> torch.Tensor:
+        return all_gather_rows(half, pair.device_pg)
+
+    result["all_gather"] = with_bandwidth(clock.measure(all_gather, pair), nbytes, 0.5)
+    result["peer_copy"] = result["local_copy"] = None
+    result["peer_access"] = None
+    if clock.cuda and torch.cuda.device_count() >= 2 and rank == 0:
+        result |= copies(args, payload, clock)
+    clock.align(pair)
+    # Rank 0 alone timed the copies; every rank writes the same report.
+    shared = [result if rank == 0 else None]
+    dist.broadcast_object_list(shared, src=pair.ranks[0], group=pair.host_pg)
+    return shared[0]
+
+
+def copies(args, payload: torch.Tensor, clock: Clock) -> dict:
+    """Peer copy to the next GPU and a copy inside this one, host-timed
+    around ``M`` back-to-back copies with both devices synchronised."""
+    nbytes = payload.numel()
+    here = payload.device
+    there = torch.device("cuda", (here.index + 1) % torch.cuda.device_count())
+    result = {"peer_access": torch.cuda.can_device_access_peer(here, there)}
+    targets = {
+        "peer_copy": (torch.empty_like(payload, device=there), 1),
+        "local_copy": (torch.empty_like(payload), 2),  # read + write
+    }
+    for name, (target, factor) in targets.items():
+        target.copy_(payload)
+        torch.cuda.synchronize(here)
+        torch.cuda.synchronize(there)
+        if not torch.equal(target.to(here), payload):
+            raise RowsDiffer(f"{name}: the copy differs")
+        figures, iters = [], args.peak_copies
+        for _ in range(args.reps):
+            torch.cuda.synchronize(here)
+            torch.cuda.synchronize(there)
+            begin = time.perf_counter()
+            for _ in range(iters):
+                target.copy_(payload)
+            torch.cuda.synchronize(here)
+            torch.cuda.synchronize(there)
+            figures.append((time.perf_counter() - begin) / iters)
+        measured = summarize([figures], iters) | {"timing": "host clock"}
+        result[name] = with_bandwidth(measured, factor * nbytes, 1.0)
+        del target
+    result["peer_copy"]["route"] = f"cuda:{here.index} -> cuda:{there.index}"
     return result
 
 
-def gather_point(args, n: int, k: int, device) -> dict:
-    tp, rank = dist.get_world_size(), dist.get_rank()
-    rows = ceil_div(n, tp)
-    dtype = DTYPES[args.dtype]
-    generator = torch.Generator().manual_seed(1000 * n + 10 * k + rank)
-    parts = [
-        torch.randn((rows, args.hidden), generator=generator).to(device, dtype)
-        for _ in range(k + 1)
-    ]
+def link_peak(peak: dict | None) -> tuple[float | None, str | None]:
+    if not peak:
+        return None, None
+    if peak.get("peer_copy"):
+        return peak["peer_copy"]["busbw_GBps"], "peer_copy"
+    return peak["nccl_send"]["busbw_GBps"], "nccl_send"
 
-    def packed() -> list[torch.Tensor]:
-        gathered = all_gather(torch.cat(parts, dim=-1), dist.group.WORLD)
-        return list(gathered[:n].split(args.hidden, dim=-1))
 
-    def separate() -> list[torch.Tensor]:
-        return [all_gather(p, dist.group.WORLD)[:n] for p in parts]
+# --- the report -----------------------------------------------------------
 
-    for got, want in zip(packed(), separate(), strict=True):
-        assert torch.equal(got, want), f"packed gather differs (N={n}, k={k})"
-    result = {"N": n, "k": k}
-    result |= time_variants(args, device, packed=packed, separate=separate)
-    result["speedup"] = result["separate"]["median_us"] / result["packed"]["median_us"]
-    return result
+
+def fmt_us(m: dict) -> str:
+    return f"{m['median_us']:,.1f} [{m['min_us']:,.1f}–{m['max_us']:,.1f}]"
+
+
+def fmt_bw(m: dict, peak: float | None) -> str:
+    share = f" ({100 * m['busbw_GBps'] / peak:.0f}%)" if peak else ""
+    return f"{m['busbw_GBps']:,.1f}{share}"
+
+
+def fmt_bytes(nbytes: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= size:
+            return f"{nbytes / size:,.1f} {unit}"
+    return f"{nbytes:,.0f} B"
 
 
 def markdown(report: dict) -> str:
-    lines = [f"# {report['part']}: {report['setup']}", ""]
-    if report["part"] == "handoff":
+    """The tables, from the JSON report alone."""
+    setup = report["setup"]
+    peak, source = report["link_peak_GBps"], report["link_peak_source"]
+    head = (
+        f"{setup['backend']}, {report['device']['name']} ×{setup['world']}, "
+        f"{setup['dtype']}, hidden {setup['hidden']}, timing: {setup['timing']}, "
+        f"{setup['reps']} repetitions of ~{setup['target_ms']} ms each"
+    )
+    lines = [f"# NCCL bench: {head}", ""]
+    lines += [
+        "Times: median [min–max] over the repetitions, each the slowest rank's "
+        "time per iteration of a back-to-back loop. busbw in GB/s"
+        + (f", (share of the link peak, {peak:,.1f} GB/s by {source})" if peak else "")
+        + ".",
+        "",
+    ]
+    if report.get("peak"):
+        p = report["peak"]
         lines += [
-            "| N | rows/rank | sp median µs | replicated median µs | replicated / sp |",
+            "## Peak",
+            "",
+            "| transfer | bytes | time µs | GB/s (busbw) |",
+            "| --- | ---: | ---: | ---: |",
+        ]
+        labels = {
+            "peer_copy": "peer copy (copy engine), GPU 0 → GPU 1",
+            "nccl_send": f"{setup['backend']} send, rank 0 → rank 1",
+            "all_gather": f"{setup['backend']} all-gather, 2 ranks",
+            "local_copy": "copy inside GPU 0 (bytes read + written)",
+        }
+        for key, label in labels.items():
+            if p.get(key):
+                m = p[key]
+                lines.append(
+                    f"| {label} | {fmt_bytes(m['bytes'])} | {fmt_us(m)} | "
+                    f"{m['busbw_GBps']:,.1f} |"
+                )
+        lines.append("")
+    if report.get("gather"):
+        g = report["gather"]
+        lines += [
+            f"## End gather at TP{g['tp']}",
+            "",
+            "packed = cat + 1 all-gather + trim + split (the model); separate = "
+            "k+1 all-gathers; nocopy = packed without the cat. Ratios < 1: "
+            "faster than separate. `~` marks a point whose packed and separate "
+            "ranges overlap.",
+            "",
+            "| N | k | packed/rank | packed µs | separate µs | nocopy µs | "
+            "packed / separate | nocopy / separate | separate busbw | "
+            "packed busbw |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for pt in g["points"]:
+            mark = " ~" if pt["packed_separate_overlap"] else ""
+            lines.append(
+                f"| {pt['N']} | {pt['k']} | {fmt_bytes(pt['packed_bytes_per_rank'])} "
+                f"| {fmt_us(pt['packed'])} | {fmt_us(pt['separate'])} "
+                f"| {fmt_us(pt['packed_nocopy'])} "
+                f"| {pt['packed_over_separate']:.3f}{mark} "
+                f"| {pt['nocopy_over_separate']:.3f} "
+                f"| {fmt_bw(pt['separate'], peak)} | {fmt_bw(pt['packed'], peak)} |"
+            )
+        lines += ["", "Crossover (packed slower than separate from here on):", ""]
+        for c in g["crossover"]:
+            if c["first_slower_N"] is None and c["slower_at_N"]:
+                text = f"packed is slower at N={c['slower_at_N']}, not at the largest N"
+            elif c["first_slower_N"] is None:
+                text = "packed is never slower over the measured N"
+            elif c["threshold_N"] is None:
+                text = (
+                    f"packed is slower at every measured N (from {c['first_slower_N']})"
+                )
+            else:
+                text = (
+                    f"between N={c['last_not_slower_N']} and N={c['first_slower_N']}; "
+                    f"interpolated N ≈ {c['threshold_N']:,.0f}, packed buffer ≈ "
+                    f"{fmt_bytes(c['threshold_packed_bytes_per_rank'])} per rank"
+                )
+            lines.append(f"- k={c['k']}: {text}")
+        lines.append("")
+    if report.get("components"):
+        lines += [
+            "## Hand-off components at two GPUs",
+            "",
+            "send = `hidden_states` and `residual` shards (ceil(N/2) rows each), "
+            "rank 0 → rank 1; all-gather = both shards over the two ranks. The "
+            "last column is **derived** from the two measurements, not measured.",
+            "",
+            "| N | rows | bytes/tensor | send µs | send busbw | all-gather µs | "
+            "all-gather busbw | (send + 2·all-gather) / send, derived |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        for pt in report["components"]["points"]:
+            lines.append(
+                f"| {pt['N']} | {pt['rows_per_rank']} | "
+                f"{fmt_bytes(pt['bytes_per_tensor'])} | {fmt_us(pt['send'])} | "
+                f"{fmt_bw(pt['send'], peak)} | {fmt_us(pt['all_gather'])} | "
+                f"{fmt_bw(pt['all_gather'], peak)} | "
+                f"{pt['derived_handoff_ratio']:.2f}× |"
+            )
+        lines.append("")
+    if report.get("handoff"):
+        lines += [
+            f"## Hand-off at TP{setup['tp']}×PP2 (measured)",
+            "",
+            "| N | rows/rank | sp µs | replicated µs | replicated / sp |",
             "| ---: | ---: | ---: | ---: | ---: |",
         ]
-        for p in report["points"]:
+        for pt in report["handoff"]["points"]:
             lines.append(
-                f"| {p['N']} | {p['rows_per_rank']} | {p['sp']['median_us']:.1f} | "
-                f"{p['replicated']['median_us']:.1f} | {p['ratio']:.2f}× |"
+                f"| {pt['N']} | {pt['rows_per_rank']} | {fmt_us(pt['sp'])} | "
+                f"{fmt_us(pt['replicated'])} | {pt['replicated_over_sp']:.2f}× |"
             )
-    else:
-        lines += [
-            "| N | k aux | packed median µs | separate median µs | separate / packed |",
-            "| ---: | ---: | ---: | ---: | ---: |",
-        ]
-        for p in report["points"]:
-            lines.append(
-                f"| {p['N']} | {p['k']} | {p['packed']['median_us']:.1f} | "
-                f"{p['separate']['median_us']:.1f} | {p['speedup']:.2f}× |"
-            )
-    return "\n".join(lines) + "\n"
+        lines.append("")
+    lines += [f"Command: `{report['command']}`", ""]
+    return "\n".join(lines)
+
+
+def describe_device(cuda: bool, device: torch.device) -> dict:
+    if not cuda:
+        return {"name": platform.processor() or platform.machine() or "cpu"}
+    info = {
+        "name": torch.cuda.get_device_name(device),
+        "count": torch.cuda.device_count(),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(device))),
+        "memory_bytes": torch.cuda.get_device_properties(device).total_memory,
+    }
+    for key, command in {
+        "nvidia_smi": [
+            "nvidia-smi",
+            "--query-gpu=name,driver_version,clocks.max.sm",
+            "--format=csv,noheader",
+        ],
+        "topology": ["nvidia-smi", "topo", "-m"],
+    }.items():
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=30)
+            info[key] = proc.stdout.strip() or proc.stderr.strip()
+        except (OSError, subprocess.SubprocessError) as error:
+            info[key] = f"unavailable: {error}"
+    return info
+
+
+def launch_command(argv: Sequence[str]) -> str:
+    env = " ".join(f"{k}={os.environ.get(k, '')}" for k in SAFETY_ENV)
+    nproc = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))
+    script = "eval/nccl_bench.py"
+    return (
+        f"{env} python -m torch.distributed.run --nproc-per-node {nproc} {script} "
+        + shlex.join(argv)
+    ).strip()
+
+
+def layout_problem(parts: Sequence[str], tp: int, world: int) -> str | None:
+    """Why ``parts`` cannot run at ``--tp tp`` on ``world`` ranks, if they can't."""
+    if world % tp or world // tp not in (1, 2):
+        return f"start TP or 2·TP ranks: --tp {tp}, {world} ranks"
+    if "handoff" in parts and world != 2 * tp:
+        return f"handoff runs TP{tp}×PP2: start {2 * tp} ranks, not {world}"
+    if {"peak", "components"} & set(parts) and world < 2:
+        return "peak and components need 2 ranks"
+    return None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--part", default="peak,gather,components")
+    parser.add_argument("--tp", type=int, default=2, help="TP size (PP is world/TP)")
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--tokens", default=DEFAULT_TOKENS, help="N values")
+    parser.add_argument("--aux", default="1,3", help="gather: k values")
+    parser.add_argument("--reps", type=int, default=20, help="R: repetitions")
+    parser.add_argument("--target-ms", type=float, default=20.0)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--min-iters", type=int, default=5)
+    parser.add_argument("--max-iters", type=int, default=1000)
+    parser.add_argument("--peak-mib", type=int, default=1024)
+    parser.add_argument("--peak-copies", type=int, default=10)
+    parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument("--name", default="", help="output stem")
+    parser.add_argument("--source-commit", default="", help="recorded as given")
+    parser.add_argument("--out", type=Path, default=Path("results/nccl"))
+    parser.add_argument("--table-from", type=Path, help="rebuild a table; no run")
+    parser.add_argument(
+        "--link-peak-from", type=Path, help="a report whose peak part to read"
+    )
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.part.split(",") if p]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown and not args.table_from:
+        parser.error(f"unknown part(s) {unknown}; choose from {list(PARTS)}")
+    args.parts = [p for p in PARTS if p in args.parts]
+    args.torch_dtype = DTYPES[args.dtype]
+    args.parser = parser
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=("handoff", "gather"), required=True)
-    parser.add_argument("--tp", type=int, default=2, help="handoff: TP size (PP is 2)")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--tokens", default="", help="comma-separated N values")
-    parser.add_argument("--aux", default="1,3", help="gather: comma-separated k")
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=Path("results/nccl"))
-    args = parser.parse_args(argv)
-
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    args = parse_args(argv)
+    if args.table_from:
+        report = json.loads(args.table_from.read_text())
+        args.table_from.with_suffix(".md").write_text(markdown(report))
+        return 0
+    os.environ.update(SAFETY_ENV)
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = (
-        torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        if cuda
-        else torch.device("cpu")
-    )
+    if args.cuda_graph and not cuda:
+        args.parser.error("--cuda-graph needs CUDA")
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    default_tokens = (
-        "128,1024,8192,32768" if args.part == "handoff" else "8,64,256,1024"
-    )
-    tokens = [int(t) for t in (args.tokens or default_tokens).split(",")]
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    problem = layout_problem(args.parts, args.tp, world)
+    if problem:
+        args.parser.error(problem)
+    pp = world // args.tp
+    tokens = [int(t) for t in args.tokens.split(",")]
+    aux = [int(k) for k in args.aux.split(",")]
 
-    points = []
-    if args.part == "handoff":
-        if world != 2 * args.tp:
-            parser.error(
-                f"handoff runs TP{args.tp}×PP2: start {2 * args.tp} ranks, not {world}"
-            )
-        groups = [
-            dist.new_group(list(range(s * args.tp, (s + 1) * args.tp))) for s in (0, 1)
-        ]
-        setup = f"TP{args.tp}×PP2"
+    whole = make_group(range(world), cuda)
+    stages = [
+        make_group(range(s * args.tp, (s + 1) * args.tp), cuda) for s in range(pp)
+    ]
+    pair = make_group([0, 1], cuda) if world > 1 else whole
+    clock = Clock(args, device)
+    started = time.monotonic()
+
+    def progress(text: str) -> None:
+        if rank == 0:
+            print(f"[{time.monotonic() - started:6.1f}s] {text}", flush=True)
+
+    report: dict = {"schema": 2, "parts": args.parts}
+    if "peak" in args.parts:
+        report["peak"] = peak_part(args, pair, clock, device) if pair.member else None
+        progress("peak: done")
+    if "gather" in args.parts:
+        last = stages[-1]
+        points = []
         for n in tokens:
-            points.append(handoff_point(args, n, groups, device))
-            if rank == 0:
-                print(f"handoff N={n}: done", flush=True)
-    else:
-        setup = f"TP{world}"
+            for k in aux:
+                if last.member:
+                    points.append(gather_point(args, n, k, last, clock, device))
+                dist.barrier(group=whole.host_pg)
+                progress(f"gather N={n} k={k}: done")
+        # The last stage gathered; rank 0 writes the report.
+        shared = [points]
+        dist.broadcast_object_list(shared, src=last.ranks[0], group=whole.host_pg)
+        points = shared[0]
+        report["gather"] = {"tp": args.tp, "points": points}
+        report["gather"]["crossover"] = [crossover(points, k) for k in aux]
+    if "components" in args.parts:
+        points = []
         for n in tokens:
-            for k in (int(x) for x in args.aux.split(",")):
-                points.append(gather_point(args, n, k, device))
-                if rank == 0:
-                    print(f"gather N={n} k={k}: done", flush=True)
+            if pair.member:
+                points.append(components_point(args, n, pair, clock, device))
+            progress(f"components N={n}: done")
+        report["components"] = {"points": points}
+    if "handoff" in args.parts:
+        points = []
+        for n in tokens:
+            points.append(handoff_point(args, n, whole, stages, clock, device))
+            progress(f"handoff N={n}: done")
+        report["handoff"] = {"points": points}
+
     if rank == 0:
-        device_name = (
-            torch.cuda.get_device_name(device)
-            if cuda
-            else platform.processor() or "cpu"
-        )
-        report = {
-            "part": args.part,
-            "setup": f"{setup}, {args.dtype}, hidden {args.hidden}, {device_name}, "
-            f"{'nccl' if cuda else 'gloo'}, {args.iters} iterations",
-            "points": points,
+        timing = "cuda-graph replay" if args.cuda_graph else "cuda events"
+        report["setup"] = {
+            "world": world,
+            "tp": args.tp,
+            "pp": pp,
+            "dtype": args.dtype,
+            "hidden": args.hidden,
+            "backend": "nccl" if cuda else "gloo",
+            "timing": timing if cuda else "host clock",
+            "reps": args.reps,
+            "target_ms": args.target_ms,
+            "warmup": args.warmup,
+            "min_iters": args.min_iters,
+            "max_iters": args.max_iters,
+            "tokens": tokens,
+            "aux": aux,
+        }
+        report["device"] = describe_device(cuda, device)
+        report["versions"] = {
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
-            "command": " ".join(sys.argv),
-            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "python": platform.python_version(),
         }
+        report["link_peak_GBps"], report["link_peak_source"] = link_peak(
+            report.get("peak")
+        )
+        if args.link_peak_from and not report.get("peak"):
+            earlier = json.loads(args.link_peak_from.read_text())
+            peak, source = link_peak(earlier.get("peak"))
+            report["link_peak_GBps"] = peak
+            report["link_peak_source"] = f"{source} in {args.link_peak_from.name}"
+        report["command"] = launch_command(sys.argv[1:] if argv is None else argv)
+        report["argv"] = sys.argv if argv is None else argv
+        report["env"] = {
+            k: v
+            for k, v in sorted(os.environ.items())
+            if k.startswith(("NCCL_", "TORCH_NCCL", "NVSHMEM_", "TORCH_SYMM"))
+        }
+        report["source_commit"] = args.source_commit or None
+        report["date"] = datetime.datetime.now(datetime.UTC).isoformat(
+            timespec="seconds"
+        )
+        stem = args.name or f"{'_'.join(args.parts)}-TP{args.tp}xPP{pp}-{args.dtype}"
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = args.out / f"{args.part}-{setup.replace('×', 'x')}-{args.dtype}"
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(markdown(report))
-        print(markdown(report), flush=True)
+        path = args.out / f"{stem}.json"
+        path.write_text(json.dumps(report, indent=1) + "\n")
+        table = markdown(report)
+        path.with_suffix(".md").write_text(table)
+        print(table, flush=True)
+    dist.barrier(group=whole.host_pg)
     dist.destroy_process_group()
     return 0
 

@@ -1,93 +1,277 @@
 # SPDX-License-Identifier: Apache-2.0
-"""eval/nccl_bench.py at tiny sizes over gloo, so it cannot rot without a GPU."""
+"""eval/nccl_bench.py on the CPU: the row checks against planted faults (two
+TP ranks as threads), the crossover rule, and one gloo launch of every part
+whose JSON the tables are rebuilt from."""
 
 from __future__ import annotations
 
+import copy
 import json
+import os
+import statistics
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
+import torch
 
-SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "nccl_bench.py"
+from eval import nccl_bench
+from eval.nccl_bench import RowsDiffer, check_gather, crossover, markdown
+
+SCRIPT = Path(nccl_bench.__file__)
+HIDDEN, REPS = 8, 3
 
 
-@pytest.fixture(autouse=True)
-def cpu_only(monkeypatch):
-    """The gloo path, even on a machine with a GPU."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+class ThreadGather:
+    """``sp_all_gather`` for TP ranks that are threads of this process."""
+
+    def __init__(self, tp: int) -> None:
+        self.slots: list[torch.Tensor | None] = [None] * tp
+        self.barrier = threading.Barrier(tp, timeout=20)
+
+    def for_rank(self, rank: int):
+        def gather(x: torch.Tensor) -> torch.Tensor:
+            self.slots[rank] = x
+            self.barrier.wait()
+            out = torch.cat(self.slots)
+            self.barrier.wait()
+            return out
+
+        return gather
 
 
-def bench(tmp_path: Path, nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
+def run_check(n: int, k: int, tp: int = 2, **variants) -> list[BaseException | None]:
+    """``check_gather`` on every rank; what each rank raised, if anything."""
+    fake, raised = ThreadGather(tp), [None] * tp
+
+    def rank_main(rank: int) -> None:
+        try:
+            check_gather(n, k, HIDDEN, tp, rank, fake.for_rank(rank), **variants)
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            raised[rank] = error
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return raised
+
+
+@pytest.mark.parametrize("n", [1, 2, 17, 64])
+@pytest.mark.parametrize("k", [1, 3])
+def test_every_variant_delivers_the_model_rows(n, k):
+    assert run_check(n, k) == [None, None]
+
+
+def untrimmed_packed(parts, n, gather):
+    hidden = parts[0].shape[-1]
+    return list(gather(torch.cat(parts, dim=-1)).split(hidden, dim=-1))
+
+
+def reversed_split(parts, n, gather):
+    return nccl_bench.packed_gather(parts, n, gather)[::-1]
+
+
+def swapped_ranks(parts, n, gather):
+    def swapped(x):
+        out = gather(x)
+        return torch.cat([out[x.shape[0] :], out[: x.shape[0]]])
+
+    return nccl_bench.separate_gather(parts, n, swapped)
+
+
+def nocopy_missing_aux(packed, n, hidden, gather):
+    return nccl_bench.packed_nocopy_gather(packed, n, hidden, gather)[:-1]
+
+
+@pytest.mark.parametrize(
+    ("variants", "label"),
+    [
+        ({"packed": untrimmed_packed}, "packed gather (N=17, k=3): tensor 0 has shape"),
+        ({"packed": reversed_split}, "packed gather (N=17, k=3): tensor 0 differs"),
+        ({"separate": swapped_ranks}, "separate gathers (N=17, k=3): tensor 0 differs"),
+        ({"nocopy": nocopy_missing_aux}, "without copy (N=17, k=3): 3 tensors"),
+    ],
+    ids=["no-trim", "split-order", "rank-order", "aux-dropped"],
+)
+def test_a_planted_fault_in_one_variant_is_caught(variants, label):
+    raised = run_check(17, 3, **variants)
+    for error in raised:
+        assert isinstance(error, RowsDiffer), error
+        assert label in str(error)
+
+
+def ratio_points(ratios: dict[int, float], k: int = 1) -> list[dict]:
+    return [
+        {
+            "N": n,
+            "k": k,
+            "tp": 2,
+            "rows_per_rank": -(-n // 2),
+            "packed_bytes_per_rank": (k + 1) * -(-n // 2) * 7168 * 2,
+            "packed_over_separate": r,
+        }
+        for n, r in ratios.items()
+    ]
+
+
+def test_crossover_interpolates_where_packing_turns_slower():
+    points = ratio_points({256: 0.6, 1024: 0.9, 4096: 1.1, 16384: 1.3})
+    c = crossover(points, 1)
+    assert (c["last_not_slower_N"], c["first_slower_N"]) == (1024, 4096)
+    assert c["threshold_N"] == pytest.approx(2048)  # halfway in log N
+    assert c["threshold_packed_bytes_per_rank"] == pytest.approx(2 * 1024 * 7168 * 2)
+    assert c["slower_at_N"] == [4096, 16384]
+
+
+def test_crossover_ignores_a_slower_point_followed_by_faster_ones():
+    c = crossover(ratio_points({64: 1.05, 256: 0.9, 1024: 0.8}), 1)
+    assert c["first_slower_N"] is None and c["threshold_N"] is None
+    assert c["slower_at_N"] == [64]
+
+
+def test_layout_problem_names_the_ranks_a_part_needs():
+    assert nccl_bench.layout_problem(["handoff"], 2, 2) == (
+        "handoff runs TP2×PP2: start 4 ranks, not 2"
+    )
+    assert nccl_bench.layout_problem(["gather"], 2, 3).startswith("start TP or 2·TP")
+    assert nccl_bench.layout_problem(["handoff", "gather"], 2, 4) is None
+    assert nccl_bench.layout_problem(["peak", "gather", "components"], 2, 2) is None
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """One gloo launch of every part: TP2×PP2, the gather on stage 1, the
+    components and the peak on ranks 0 and 1."""
+    out = tmp_path_factory.mktemp("nccl")
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc-per-node",
-        str(nproc),
+        "4",
         str(SCRIPT),
-        "--hidden",
-        "64",
-        "--iters",
-        "3",
-        "--warmup",
-        "1",
-        "--out",
-        str(tmp_path),
-        *args,
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=180)
-
-
-def test_handoff_checks_rows_and_reports_both_paths(tmp_path):
-    proc = bench(
-        tmp_path,
-        4,
         "--part",
-        "handoff",
+        "peak,gather,components,handoff",
         "--tp",
         "2",
-        "--dtype",
-        "fp32",
+        "--hidden",
+        str(HIDDEN),
         "--tokens",
         "1,17",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "handoff-TP2xPP2-fp32.json").read_text())
-    assert [(p["N"], p["rows_per_rank"]) for p in report["points"]] == [(1, 1), (17, 9)]
-    for point in report["points"]:
-        assert point["sp"]["median_us"] > 0 and point["replicated"]["median_us"] > 0
-    table = (tmp_path / "handoff-TP2xPP2-fp32.md").read_text()
-    assert "| 17 | 9 |" in table and "gloo" in report["setup"]
-
-
-def test_gather_checks_packing_and_reports_speedups(tmp_path):
-    proc = bench(
-        tmp_path,
-        2,
-        "--part",
-        "gather",
-        "--dtype",
-        "bf16",
-        "--tokens",
-        "8,17",
         "--aux",
         "1,3",
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads((tmp_path / "gather-TP2-bf16.json").read_text())
-    assert [(p["N"], p["k"]) for p in report["points"]] == [
-        (8, 1),
-        (8, 3),
-        (17, 1),
-        (17, 3),
+        "--reps",
+        str(REPS),
+        "--target-ms",
+        "1",
+        "--warmup",
+        "2",
+        "--min-iters",
+        "2",
+        "--max-iters",
+        "4",
+        "--peak-mib",
+        "1",
+        "--name",
+        "run",
+        "--out",
+        str(out),
     ]
-    assert all(p["speedup"] > 0 for p in report["points"])
-    assert report["command"].endswith("--aux 1,3")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return out
 
 
-def test_handoff_refuses_the_wrong_world_size(tmp_path):
-    proc = bench(tmp_path, 2, "--part", "handoff", "--tp", "2")
-    assert proc.returncode != 0
-    assert "handoff runs TP2×PP2: start 4 ranks, not 2" in proc.stderr
+def measurements(report: dict):
+    for pt in report["gather"]["points"]:
+        yield from (pt["packed"], pt["separate"], pt["packed_nocopy"])
+    for pt in report["components"]["points"]:
+        yield from (pt["send"], pt["all_gather"])
+    for pt in report["handoff"]["points"]:
+        yield from (pt["sp"], pt["replicated"])
+    yield from (report["peak"]["nccl_send"], report["peak"]["all_gather"])
+
+
+def test_the_json_keeps_every_repetition_and_its_summary(launch):
+    report = json.loads((launch / "run.json").read_text())
+    for m in measurements(report):
+        assert len(m["per_rank_us"][0]) == REPS and len(m["reps_us"]) == REPS
+        assert m["reps_us"] == [max(col) for col in zip(*m["per_rank_us"], strict=True)]
+        assert m["median_us"] == statistics.median(m["reps_us"])
+        assert (m["min_us"], m["max_us"]) == (min(m["reps_us"]), max(m["reps_us"]))
+        assert m["algbw_GBps"] == pytest.approx(m["bytes"] / m["median_us"] / 1e3)
+        assert m["busbw_GBps"] == pytest.approx(m["algbw_GBps"] * m["bus_factor"])
+        assert 2 <= m["iters"] <= 4
+    assert [len(m["per_rank_us"]) for m in measurements(report)] == (
+        [2] * 12 + [2] * 4 + [4] * 4 + [2] * 2
+    )
+
+
+def test_the_json_carries_what_the_tables_read(launch):
+    report = json.loads((launch / "run.json").read_text())
+    assert (
+        report["setup"] | {"world": 4, "tp": 2, "pp": 2, "backend": "gloo"}
+        == (report["setup"])
+    )
+    assert report["command"].endswith("--name run --out " + str(launch))
+    assert "NCCL_NVLS_ENABLE=0" in report["command"]
+    assert report["versions"]["torch"] == torch.__version__
+    assert report["device"]["name"] and report["date"]
+    assert report["link_peak_source"] == "nccl_send"
+    assert report["link_peak_GBps"] == report["peak"]["nccl_send"]["busbw_GBps"]
+    gather = report["gather"]
+    assert [(p["N"], p["k"], p["rows_per_rank"]) for p in gather["points"]] == [
+        (1, 1, 1),
+        (1, 3, 1),
+        (17, 1, 9),
+        (17, 3, 9),
+    ]
+    for p in gather["points"]:
+        assert p["packed_bytes_per_rank"] == (p["k"] + 1) * p["rows_per_rank"] * 16
+        assert p["packed_over_separate"] == (
+            p["packed"]["median_us"] / p["separate"]["median_us"]
+        )
+        assert p["nocopy_over_separate"] == (
+            p["packed_nocopy"]["median_us"] / p["separate"]["median_us"]
+        )
+    assert gather["crossover"] == [crossover(gather["points"], k) for k in (1, 3)]
+    for p in report["components"]["points"]:
+        send, ag = p["send"]["median_us"], p["all_gather"]["median_us"]
+        assert p["derived_handoff_ratio"] == (send + 2 * ag) / send
+        assert p["bytes_per_tensor"] == p["rows_per_rank"] * HIDDEN * 2
+    assert [p["rows_per_rank"] for p in report["handoff"]["points"]] == [1, 9]
+    for p in report["handoff"]["points"]:
+        assert p["replicated_over_sp"] == (
+            p["replicated"]["median_us"] / p["sp"]["median_us"]
+        )
+
+
+def test_the_table_is_built_from_the_json_alone(launch, tmp_path):
+    report = json.loads((launch / "run.json").read_text())
+    assert (launch / "run.md").read_text() == markdown(report)
+    edited = copy.deepcopy(report)
+    point = edited["gather"]["points"][2]
+    point["packed"] |= {"median_us": 1234.5, "min_us": 1000.0, "max_us": 1500.5}
+    point["packed_over_separate"] = 0.125
+    edited["components"]["points"][1]["derived_handoff_ratio"] = 6.5
+    copy_path = tmp_path / "edited.json"
+    copy_path.write_text(json.dumps(edited))
+    assert nccl_bench.main(["--table-from", str(copy_path)]) == 0
+    table = copy_path.with_suffix(".md").read_text()
+    assert "| 17 | 1 | 288 B | 1,234.5 [1,000.0–1,500.5] |" in table
+    assert "| 0.125" in table and "| 6.50× |" in table
+    assert table != markdown(report)
+
+
+def test_the_table_states_the_derived_ratio_and_the_crossover(launch):
+    table = (launch / "run.md").read_text()
+    assert "(send + 2·all-gather) / send, derived |" in table
+    assert "**derived**" in table
+    assert "Hand-off at TP2×PP2 (measured)" in table
+    crossings = [line for line in table.splitlines() if line.startswith("- k=")]
+    assert [line[:5] for line in crossings] == ["- k=1", "- k=3"]
