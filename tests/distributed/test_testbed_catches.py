@@ -95,3 +95,21 @@ def test_sender_and_receiver_disagreeing_on_keys_fail_fast(pool):
     with pytest.raises(RankFailure, match="Missing aux_hidden_states_2"):
         pool.run(run_step, scenario)
     assert time.monotonic() - start < 30, "a key mismatch must not hang"
+
+
+@topologies((2, 2))
+def test_stages_that_padded_the_batch_differently_fail_naming_the_rows(pool):
+    """The first stage dispatches N+4 tokens and sends 11-row shards; the
+    second dispatches N=17 and expects 9. Every receiving rank refuses."""
+    with pytest.raises(RankFailure) as failure:
+        pool.run(run_step, Scenario(True, 17, fault="sender_pads_more"))
+    message = str(failure.value)
+    for rank in (2, 3):
+        assert f"--- rank {rank} (TP {rank % 2}, PP 1) ---" in message
+    assert (
+        message.count(
+            "ValueError: Received hidden_states with 11 rows for a batch of N=17 "
+            "tokens at TP=2"
+        )
+        == 2
+    ), message

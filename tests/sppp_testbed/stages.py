@@ -45,7 +45,8 @@ class Scenario:
     attn_res: bool = False
     aux_layers: tuple[int, ...] = ()
     seed: int = 0
-    fault: str = ""  # a known bug to inject (see FAULTS), to prove it is caught
+    # A known bug to inject (FAULTS, BATCH_FAULTS), to prove it is caught.
+    fault: str = ""
     # "legacy": later stages take the hand-off through the legacy runner's
     # persistent buffers (GPUModelRunner.sync_and_gather_intermediate_tensors).
     runner: str = ""
@@ -90,16 +91,31 @@ def expect_extra_aux_key(model: torch.nn.Module) -> None:
         model._aux_upstream_total_cached += 1
 
 
-def pad_batch_to_tp(model: torch.nn.Module) -> None:
-    """Handled in :func:`run_step`: the batch is padded to TP rows and the
-    padding is never trimmed, as a runner that forgets ``N`` would do."""
-
-
 FAULTS = {
     "gather_by_shape": gather_by_shape,
-    "pad_batch_to_tp": pad_batch_to_tp,
     "shift_aux_slots": shift_aux_slots,
     "expect_extra_aux_key": expect_extra_aux_key,
+}
+
+
+def pad_batch_to_tp(num_tokens: int) -> int:
+    """The batch is padded to TP rows and the padding is never trimmed, as a
+    runner that forgets ``N`` would do."""
+    return max(num_tokens, get_tp_group().world_size)
+
+
+def sender_pads_more(num_tokens: int) -> int:
+    """The first stage pads the batch by 2·TP tokens more than the others,
+    as a stage started with other CUDA graph sizes would."""
+    if get_pp_group().is_first_rank:
+        return num_tokens + 2 * get_tp_group().world_size
+    return num_tokens
+
+
+# Faults in the batch a stage runs: the token count it dispatches.
+BATCH_FAULTS = {
+    "pad_batch_to_tp": pad_batch_to_tp,
+    "sender_pads_more": sender_pads_more,
 }
 
 
@@ -158,7 +174,7 @@ def run_step(scenario: Scenario) -> StageResult:
         model = build_model(config, scenario.seed)
         if scenario.aux_layers:
             model._set_aux_hidden_state_layers(scenario.aux_layers)
-        if scenario.fault:
+        if scenario.fault in FAULTS:
             FAULTS[scenario.fault](model)
         ledger.watch_stage(model)
         overrides = transport_overrides(model)
@@ -176,8 +192,8 @@ def run_step(scenario: Scenario) -> StageResult:
                 )
                 intermediate.wait_for_comm()
         num_tokens = scenario.num_tokens
-        if scenario.fault == "pad_batch_to_tp":
-            num_tokens = max(num_tokens, tp_group.world_size)
+        if scenario.fault in BATCH_FAULTS:
+            num_tokens = BATCH_FAULTS[scenario.fault](num_tokens)
         if intermediate is not None and scenario.runner == "legacy":
             intermediate = through_legacy_runner(model, intermediate, num_tokens)
         ids = token_ids(scenario.num_tokens, scenario.seed)

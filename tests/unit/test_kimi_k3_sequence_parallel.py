@@ -123,8 +123,10 @@ def rows(num_tokens: int) -> int:
 
 
 def incoming(num_tokens: int, capacity: int | None = None, aux: int = 0):
-    """What an earlier stage sends: this rank's rows, optionally at the head
-    of a persistent buffer of ``capacity`` rows (profiling, capture)."""
+    """What an earlier stage sends: this rank's rows; with ``capacity``, what
+    a runner hands instead on a dummy run (profiling, capture): the first
+    ``num_tokens`` rows of a persistent buffer of ``capacity`` rows, this
+    rank's rows at its head."""
     generator = torch.Generator().manual_seed(num_tokens)
     local = {
         key: torch.randn(rows(num_tokens), HIDDEN, generator=generator)
@@ -136,7 +138,7 @@ def incoming(num_tokens: int, capacity: int | None = None, aux: int = 0):
     full = {k: torch.full((capacity, HIDDEN), 1e6) for k in local}
     for key, tensor in local.items():
         full[key][: tensor.shape[0]] = tensor
-    return IntermediateTensors(full)
+    return IntermediateTensors(full)[:num_tokens]
 
 
 def test_model_and_every_layer_ask_the_one_decision(make_stage):
@@ -178,6 +180,24 @@ def test_later_stage_never_shards_and_narrows_full_buffers_once(
     for key in ("hidden_states", "residual"):
         assert local[key].shape == (rows(num_tokens), HIDDEN)
         torch.testing.assert_close(padded[key], local[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("num_tokens", [3, 8, 17, 64])
+def test_later_stage_refuses_rows_that_are_neither_its_shard_nor_the_batch(
+    make_stage, collectives, num_tokens
+):
+    """A sender that padded the batch to other N sends another shard size;
+    slicing it would mix rows, so the model names what arrived instead."""
+    model = make_stage(first=False, last=False, layers=range(2, 3))
+    sender_rows = rows(num_tokens + 2 * TP_SIZE)
+    received = incoming(num_tokens + 2 * TP_SIZE)
+    with pytest.raises(ValueError) as refused:
+        model(None, torch.arange(num_tokens), received)
+    assert str(refused.value).startswith(
+        f"Received hidden_states with {sender_rows} rows for a batch of "
+        f"N={num_tokens} tokens at TP={TP_SIZE}: a sequence-parallel hand-off "
+        f"has ceil(N/TP)={rows(num_tokens)} rows (or N from full buffers)."
+    )
 
 
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)

@@ -76,12 +76,23 @@ def narrow_to_sequence_parallel_rows(
 ) -> IntermediateTensors:
     """The leading SP-shard rows of every received tensor.
 
-    A real step hands the model exactly these rows; profiling, dummy runs and
-    CUDA graph capture hand full-capacity persistent buffers, whose leading
-    rows are where a real step copies received data, so narrowing keeps the
-    captured addresses.
+    A real step hands the model exactly ``c = ceil(num_tokens / TP)`` rows;
+    profiling, dummy runs and CUDA graph capture hand ``num_tokens`` rows of
+    full-capacity persistent buffers, whose leading rows are where a real
+    step copies received data, so narrowing keeps the captured addresses.
+    Any other count means the stages padded this batch differently, and
+    slicing it would silently mix rows.
     """
     rows = sequence_parallel_rows(num_tokens)
+    for key, tensor in intermediate_tensors.tensors.items():
+        if tensor.shape[0] not in (rows, num_tokens):
+            raise ValueError(
+                f"Received {key} with {tensor.shape[0]} rows for a batch of "
+                f"N={num_tokens} tokens at TP={get_tensor_model_parallel_world_size()}"
+                f": a sequence-parallel hand-off has ceil(N/TP)={rows} rows "
+                f"(or N from full buffers). The stages padded the batch "
+                "differently; start every node with the same flags."
+            )
     return IntermediateTensors(
         {key: tensor[:rows] for key, tensor in intermediate_tensors.tensors.items()}
     )

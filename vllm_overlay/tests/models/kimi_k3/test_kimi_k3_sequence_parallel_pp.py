@@ -20,6 +20,7 @@ def vllm_config(
     ep: bool = True,
     dp: int = 1,
     backend: str = "deep_gemm_mega_moe",
+    ubatching: bool = False,
 ) -> types.SimpleNamespace:
     return types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(
@@ -27,6 +28,7 @@ def vllm_config(
             pipeline_parallel_size=pp,
             enable_expert_parallel=ep,
             data_parallel_size=dp,
+            use_ubatching=ubatching,
         ),
         kernel_config=types.SimpleNamespace(moe_backend=backend),
     )
@@ -39,8 +41,13 @@ def vllm_config(
         ({"pp": 1}, True),
         ({"pp": 4}, True),
         ({"tp": 2, "pp": 3}, True),
-        ({"backend": "auto", "dp": 2}, True),  # DP attention without MegaMoE
-        ({"backend": "auto"}, False),  # 0.33.0's non-MegaMoE path, unchanged
+        ({"pp": 1, "ubatching": True}, True),  # DBO at PP = 1: 0.33.0's rule
+        ({"backend": "auto", "dp": 2, "pp": 1}, True),  # DP attention, no PP
+        # Across PP stages only MegaMoE runs SP; other backends keep 0.33.0's
+        # replicated layout, DP attention included.
+        ({"backend": "auto", "dp": 2}, False),
+        ({"backend": "flashinfer_cutlass", "dp": 4, "pp": 3}, False),
+        ({"backend": "auto"}, False),
         ({"backend": "flashinfer_cutlass", "pp": 1}, False),
         ({"ep": False}, False),
         ({"ep": False, "dp": 2}, False),
@@ -52,7 +59,8 @@ def test_decision_table(options, expected):
     assert k3_sp.use_kimi_k3_sequence_parallel(vllm_config(**options)) is expected
 
 
-def test_decision_is_logged_once_with_tp_pp_and_backend():
+def logged(*configs: types.SimpleNamespace) -> list[str]:
+    """What deciding for each config logs (each message once per process)."""
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
     handler.emit = records.append
@@ -60,16 +68,42 @@ def test_decision_is_logged_once_with_tp_pp_and_backend():
     k3_sp.logger.setLevel(logging.INFO)
     k3_sp.logger.addHandler(handler)
     try:
-        for _ in range(3):  # as every decoder layer asks
-            k3_sp.use_kimi_k3_sequence_parallel(vllm_config(tp=3, pp=5))
-        k3_sp.use_kimi_k3_sequence_parallel(vllm_config(tp=3, pp=5, ep=False))
+        for config in configs:
+            k3_sp.use_kimi_k3_sequence_parallel(config)
     finally:
         k3_sp.logger.removeHandler(handler)
         k3_sp.logger.setLevel(level)
-    assert [r.getMessage() for r in records] == [
+    return [r.getMessage() for r in records]
+
+
+def test_decision_is_logged_once_with_tp_pp_and_backend():
+    # Three times, as every decoder layer asks; then a config without SP.
+    configs = [vllm_config(tp=3, pp=5)] * 3 + [vllm_config(tp=3, pp=5, ep=False)]
+    assert logged(*configs) == [
         "Kimi-K3 sequence parallelism enabled "
         "(TP=3, PP=5, MoE backend=deep_gemm_mega_moe)."
     ]
+
+
+def test_dp_attention_across_stages_says_why_sp_stays_off():
+    config = vllm_config(tp=5, pp=7, dp=2, backend="flashinfer_cutlass")
+    assert logged(config, config) == [
+        "Kimi-K3 sequence parallelism off at PP=7 with MoE backend "
+        "flashinfer_cutlass: across pipeline stages only deep_gemm_mega_moe "
+        "runs it."
+    ]
+
+
+@pytest.mark.parametrize("pp", [2, 3])
+def test_micro_batches_with_sp_across_stages_are_refused_naming_the_flags(pp):
+    with pytest.raises(ValueError) as refused:
+        k3_sp.use_kimi_k3_sequence_parallel(vllm_config(pp=pp, ubatching=True))
+    message = str(refused.value)
+    assert f"(MoE backend deep_gemm_mega_moe, PP={pp})" in message
+    assert "Drop --enable-dbo and --ubatch-size" in message
+    # Without SP there is nothing to refuse: 0.33.0 decides about DBO.
+    config = vllm_config(pp=pp, ubatching=True, backend="auto")
+    assert k3_sp.use_kimi_k3_sequence_parallel(config) is False
 
 
 # -- transport overrides -------------------------------------------------

@@ -71,6 +71,31 @@ def test_both_runners_take_every_received_row_at_most_num_tokens(num_tokens, tp)
     rows = shard_rows(num_tokens, tp)
     assert pp_sp.received_num_rows(hand_off(rows), num_tokens) == rows
     assert pp_sp.received_num_rows(hand_off(num_tokens), num_tokens) == num_tokens
+    # More rows than the batch are cut to it, as 0.33.0 cut every hand-off;
+    # a sequence-parallel model then refuses the count (test below).
+    assert pp_sp.received_num_rows(hand_off(num_tokens + 5), num_tokens) == num_tokens
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_model_refuses_rows_that_are_neither_its_shard_nor_the_batch(
+    num_tokens, tp, monkeypatch
+):
+    """Stages that padded a batch differently send another shard size;
+    slicing it would mix rows silently, so the count is checked."""
+    monkeypatch.setattr(pp_sp, "get_tensor_model_parallel_world_size", lambda: tp)
+    shard = shard_rows(num_tokens, tp)
+    for rows in {shard, num_tokens}:
+        narrowed = pp_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
+        assert pp_sp.intermediate_tensors_num_rows(narrowed) == shard
+    for rows in {shard - 1, shard + 1, num_tokens + 1} - {shard, num_tokens}:
+        with pytest.raises(ValueError) as refused:
+            pp_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
+        assert str(refused.value).startswith(
+            f"Received hidden_states with {rows} rows for a batch of "
+            f"N={num_tokens} tokens at TP={tp}: a sequence-parallel hand-off "
+            f"has ceil(N/TP)={shard} rows"
+        )
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)

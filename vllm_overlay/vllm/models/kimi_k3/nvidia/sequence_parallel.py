@@ -23,24 +23,42 @@ SEQUENCE_PARALLEL_PP_KEYS = ("hidden_states", "residual")
 def use_kimi_k3_sequence_parallel(vllm_config: VllmConfig) -> bool:
     """The one place that decides SP for Kimi K3.
 
-    DeepGEMM MegaMoE (and DP attention) consume token shards, which needs EP
-    and more than one TP rank. Pipeline parallelism does not change it.
+    DeepGEMM MegaMoE (and, without PP, DP attention) consume token shards,
+    which needs EP and more than one TP rank. Across pipeline stages only
+    MegaMoE runs sequence parallel: other backends keep 0.33.0's replicated
+    layout, whose dense and shared-expert weights and traffic are proven.
     """
     parallel_config = vllm_config.parallel_config
     moe_backend = vllm_config.kernel_config.moe_backend
-    enabled = (
+    pp_size = parallel_config.pipeline_parallel_size
+    data_parallel = parallel_config.data_parallel_size > 1
+    expert_parallel_tp = (
         parallel_config.enable_expert_parallel
         and parallel_config.tensor_parallel_size > 1
-        and (
-            moe_backend == "deep_gemm_mega_moe"
-            or parallel_config.data_parallel_size > 1
-        )
     )
+    enabled = expert_parallel_tp and (
+        moe_backend == "deep_gemm_mega_moe" or (pp_size == 1 and data_parallel)
+    )
+    if enabled and pp_size > 1 and parallel_config.use_ubatching:
+        raise ValueError(
+            "Kimi-K3 sequence parallelism across pipeline stages (MoE backend "
+            f"{moe_backend}, PP={pp_size}) cannot split a batch into "
+            "micro-batches: they slice stage hand-offs by token position, "
+            "which sequence-parallel shards do not follow. Drop --enable-dbo "
+            "and --ubatch-size, or use another --kernel-config moe_backend."
+        )
     if enabled:
         logger.info_once(
             "Kimi-K3 sequence parallelism enabled (TP=%d, PP=%d, MoE backend=%s).",
             parallel_config.tensor_parallel_size,
-            parallel_config.pipeline_parallel_size,
+            pp_size,
+            moe_backend,
+        )
+    elif expert_parallel_tp and data_parallel:
+        logger.info_once(
+            "Kimi-K3 sequence parallelism off at PP=%d with MoE backend %s: "
+            "across pipeline stages only deep_gemm_mega_moe runs it.",
+            pp_size,
             moe_backend,
         )
     return enabled
