@@ -58,6 +58,7 @@ import json
 import math
 import os
 import platform
+import re
 import shlex
 import statistics
 import subprocess
@@ -78,6 +79,7 @@ __all__ = [
     "RowsDiffer",
     "check_gather",
     "crossover",
+    "gather_steps",
     "layout_problem",
     "main",
     "markdown",
@@ -169,6 +171,52 @@ def shard(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return padded[rank * rows : (rank + 1) * rows].clone()
 
 
+def gather_steps(
+    parts: Sequence[torch.Tensor],
+    n: int,
+    gather: GatherFn,
+    residuals: Sequence[torch.Tensor] | None = None,
+) -> dict[str, Callable[[], list[torch.Tensor]]]:
+    """One end-gather step per variant, each returning the ``N``-row states.
+
+    Without ``residuals`` the states are ``parts`` as they lie (for
+    *packed_nocopy*: already in one buffer). With them, every step first makes
+    each state as the model's last layer and aux captures do, ``x + r``;
+    *packed_nocopy* writes each sum straight into its slice of the buffer.
+    """
+    hidden = parts[0].shape[-1]
+    if residuals is None:
+        buffer = torch.cat(list(parts), dim=-1)
+        return {
+            "packed": lambda: packed_gather(parts, n, gather),
+            "separate": lambda: separate_gather(parts, n, gather),
+            "packed_nocopy": lambda: packed_nocopy_gather(buffer, n, hidden, gather),
+        }
+    pairs = list(zip(parts, residuals, strict=True))
+
+    def states() -> list[torch.Tensor]:
+        return [torch.add(x, r) for x, r in pairs]
+
+    def written() -> torch.Tensor:
+        buffer = parts[0].new_empty((parts[0].shape[0], len(pairs) * hidden))
+        for j, (x, r) in enumerate(pairs):
+            torch.add(x, r, out=buffer[:, j * hidden : (j + 1) * hidden])
+        return buffer
+
+    return {
+        "packed": lambda: packed_gather(states(), n, gather),
+        "separate": lambda: separate_gather(states(), n, gather),
+        "packed_nocopy": lambda: packed_nocopy_gather(written(), n, hidden, gather),
+    }
+
+
+VARIANT_LABELS = {
+    "packed": "packed gather",
+    "separate": "separate gathers",
+    "packed_nocopy": "packed gather without copy",
+}
+
+
 def check_gather(
     n: int,
     k: int,
@@ -177,21 +225,22 @@ def check_gather(
     rank: int,
     gather: GatherFn,
     *,
+    producer: bool = False,
     dtype=torch.float32,
     device: torch.device | str = "cpu",
-    packed: Callable = packed_gather,
-    separate: Callable = separate_gather,
-    nocopy: Callable = packed_nocopy_gather,
 ) -> None:
     """Every variant delivers the ``N`` rows of the final and all ``k`` aux
     states, in order, on this rank; raises :class:`RowsDiffer` otherwise."""
-    want = full_states(n, k + 1, hidden, seed=7919 * n + k, dtype=dtype, device=device)
-    parts = [shard(t, tp, rank) for t in want]
-    check_rows(f"packed gather (N={n}, k={k})", packed(parts, n, gather), want)
-    check_rows(f"separate gathers (N={n}, k={k})", separate(parts, n, gather), want)
-    buffer = torch.cat(parts, dim=-1)
-    got = nocopy(buffer, n, hidden, gather)
-    check_rows(f"packed gather without copy (N={n}, k={k})", got, want)
+    seed = 7919 * n + k
+    full = full_states(n, k + 1, hidden, seed=seed, dtype=dtype, device=device)
+    parts = [shard(t, tp, rank) for t in full]
+    residuals, want = None, full
+    if producer:
+        full_r = full_states(n, k + 1, hidden, seed + 1, dtype=dtype, device=device)
+        residuals = [shard(t, tp, rank) for t in full_r]
+        want = [x + r for x, r in zip(full, full_r, strict=True)]
+    for name, step in gather_steps(parts, n, gather, residuals).items():
+        check_rows(f"{VARIANT_LABELS[name]} (N={n}, k={k})", step(), want)
 
 
 # --- statistics, bandwidth, crossover ---------------------------------------
@@ -328,6 +377,8 @@ class Clock:
             return run
 
         self.align(group)
+        self._block(loop(args.warmup))  # allocations, lazy communicators
+        self.align(group)
         estimate = self._block(loop(args.warmup)) / args.warmup
         estimate = max(max(row) for row in self._exchange([estimate], group))
         iters = int(
@@ -377,24 +428,30 @@ def gather_point(args, n: int, k: int, group: Group, clock: Clock, device) -> di
     def gather(x: torch.Tensor) -> torch.Tensor:
         return all_gather_rows(x, group.device_pg)
 
+    dtype, producer = args.torch_dtype, args.producer
     check_gather(
-        n, k, args.hidden, tp, rank, gather, dtype=args.torch_dtype, device=device
+        n,
+        k,
+        args.hidden,
+        tp,
+        rank,
+        gather,
+        producer=producer,
+        dtype=dtype,
+        device=device,
     )
-    states = full_states(n, k + 1, args.hidden, 31 * n + k, args.torch_dtype, device)
+    count = (k + 1) * (2 if producer else 1)
+    states = full_states(n, count, args.hidden, 31 * n + k, dtype, device)
     parts = [shard(t, tp, rank) for t in states]
     del states
-    buffer = torch.cat(parts, dim=-1)
+    residuals = parts[k + 1 :] if producer else None
+    steps = gather_steps(parts[: k + 1], n, gather, residuals)
     gathered = (k + 1) * tp * rows * args.hidden * esize
     factor = (tp - 1) / tp
     point = {"N": n, "k": k, "tp": tp, "rows_per_rank": rows}
     point["packed_bytes_per_rank"] = (k + 1) * rows * args.hidden * esize
     point["gathered_bytes"] = gathered
-    variants = {
-        "packed": lambda: packed_gather(parts, n, gather),
-        "separate": lambda: separate_gather(parts, n, gather),
-        "packed_nocopy": lambda: packed_nocopy_gather(buffer, n, args.hidden, gather),
-    }
-    for name, step in variants.items():
+    for name, step in steps.items():
         point[name] = with_bandwidth(clock.measure(step, group), gathered, factor)
     point["packed_over_separate"] = (
         point["packed"]["median_us"] / point["separate"]["median_us"]
@@ -650,9 +707,17 @@ def markdown(report: dict) -> str:
             f"## End gather at TP{g['tp']}",
             "",
             "packed = cat + 1 all-gather + trim + split (the model); separate = "
-            "k+1 all-gathers; nocopy = packed without the cat. Ratios < 1: "
-            "faster than separate. `~` marks a point whose packed and separate "
-            "ranges overlap.",
+            "k+1 all-gathers; nocopy = packed without the cat. "
+            + (
+                "Producers timed: every step first makes each state with an "
+                "add (x + r); nocopy writes each sum into its slice of one "
+                "buffer. "
+                if setup.get("producer")
+                else "The states exist before the step (nocopy: already in one "
+                "buffer). "
+            )
+            + "Ratios < 1: faster than separate. `~` marks a point whose packed "
+            "and separate ranges overlap.",
             "",
             "| N | k | packed/rank | packed µs | separate µs | nocopy µs | "
             "packed / separate | nocopy / separate | separate busbw | "
@@ -741,10 +806,12 @@ def describe_device(cuda: bool, device: torch.device) -> dict:
             "--format=csv,noheader",
         ],
         "topology": ["nvidia-smi", "topo", "-m"],
+        "nvlink": ["nvidia-smi", "nvlink", "-s"],
     }.items():
         try:
             proc = subprocess.run(command, capture_output=True, text=True, timeout=30)
-            info[key] = proc.stdout.strip() or proc.stderr.strip()
+            text = proc.stdout.strip() or proc.stderr.strip()
+            info[key] = re.sub(r"\x1b\[[0-9;]*m", "", text)  # no terminal colours
         except (OSError, subprocess.SubprocessError) as error:
             info[key] = f"unavailable: {error}"
     return info
@@ -787,6 +854,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--peak-mib", type=int, default=1024)
     parser.add_argument("--peak-copies", type=int, default=10)
     parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument(
+        "--producer",
+        action="store_true",
+        help="gather: make each state with an add inside the timed step",
+    )
     parser.add_argument("--name", default="", help="output stem")
     parser.add_argument("--source-commit", default="", help="recorded as given")
     parser.add_argument("--out", type=Path, default=Path("results/nccl"))
@@ -890,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_iters": args.max_iters,
             "tokens": tokens,
             "aux": aux,
+            "producer": args.producer,
         }
         report["device"] = describe_device(cuda, device)
         report["versions"] = {

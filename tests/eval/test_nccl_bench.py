@@ -42,13 +42,16 @@ class ThreadGather:
         return gather
 
 
-def run_check(n: int, k: int, tp: int = 2, **variants) -> list[BaseException | None]:
+def run_check(
+    n: int, k: int, tp: int = 2, producer: bool = False
+) -> list[BaseException | None]:
     """``check_gather`` on every rank; what each rank raised, if anything."""
     fake, raised = ThreadGather(tp), [None] * tp
 
     def rank_main(rank: int) -> None:
         try:
-            check_gather(n, k, HIDDEN, tp, rank, fake.for_rank(rank), **variants)
+            gather = fake.for_rank(rank)
+            check_gather(n, k, HIDDEN, tp, rank, gather, producer=producer)
         except BaseException as error:  # noqa: BLE001 - reported to the test
             raised[rank] = error
 
@@ -62,8 +65,14 @@ def run_check(n: int, k: int, tp: int = 2, **variants) -> list[BaseException | N
 
 @pytest.mark.parametrize("n", [1, 2, 17, 64])
 @pytest.mark.parametrize("k", [1, 3])
-def test_every_variant_delivers_the_model_rows(n, k):
-    assert run_check(n, k) == [None, None]
+@pytest.mark.parametrize("producer", [False, True], ids=["states", "producer"])
+def test_every_variant_delivers_the_model_rows(n, k, producer):
+    assert run_check(n, k, producer=producer) == [None, None]
+
+
+PACKED = nccl_bench.packed_gather
+SEPARATE = nccl_bench.separate_gather
+NOCOPY = nccl_bench.packed_nocopy_gather
 
 
 def untrimmed_packed(parts, n, gather):
@@ -72,7 +81,7 @@ def untrimmed_packed(parts, n, gather):
 
 
 def reversed_split(parts, n, gather):
-    return nccl_bench.packed_gather(parts, n, gather)[::-1]
+    return PACKED(parts, n, gather)[::-1]
 
 
 def swapped_ranks(parts, n, gather):
@@ -80,28 +89,50 @@ def swapped_ranks(parts, n, gather):
         out = gather(x)
         return torch.cat([out[x.shape[0] :], out[: x.shape[0]]])
 
-    return nccl_bench.separate_gather(parts, n, swapped)
+    return SEPARATE(parts, n, swapped)
 
 
 def nocopy_missing_aux(packed, n, hidden, gather):
-    return nccl_bench.packed_nocopy_gather(packed, n, hidden, gather)[:-1]
+    return NOCOPY(packed, n, hidden, gather)[:-1]
 
 
+@pytest.mark.parametrize("producer", [False, True], ids=["states", "producer"])
 @pytest.mark.parametrize(
-    ("variants", "label"),
+    ("name", "fault", "label"),
     [
-        ({"packed": untrimmed_packed}, "packed gather (N=17, k=3): tensor 0 has shape"),
-        ({"packed": reversed_split}, "packed gather (N=17, k=3): tensor 0 differs"),
-        ({"separate": swapped_ranks}, "separate gathers (N=17, k=3): tensor 0 differs"),
-        ({"nocopy": nocopy_missing_aux}, "without copy (N=17, k=3): 3 tensors"),
+        ("packed_gather", untrimmed_packed, "packed gather (N=17, k=3): tensor 0 has"),
+        (
+            "packed_gather",
+            reversed_split,
+            "packed gather (N=17, k=3): tensor 0 differs",
+        ),
+        ("separate_gather", swapped_ranks, "separate gathers (N=17, k=3): tensor 0"),
+        ("packed_nocopy_gather", nocopy_missing_aux, "copy (N=17, k=3): 3 tensors"),
     ],
     ids=["no-trim", "split-order", "rank-order", "aux-dropped"],
 )
-def test_a_planted_fault_in_one_variant_is_caught(variants, label):
-    raised = run_check(17, 3, **variants)
+def test_a_planted_fault_in_one_variant_is_caught(
+    monkeypatch, name, fault, label, producer
+):
+    monkeypatch.setattr(nccl_bench, name, fault)
+    raised = run_check(17, 3, producer=producer)
     for error in raised:
         assert isinstance(error, RowsDiffer), error
         assert label in str(error)
+
+
+def test_a_producer_writing_the_wrong_slice_is_caught(monkeypatch):
+    real_add = torch.add
+
+    def add(x, r, out=None):
+        if out is not None:  # every sum lands in the first slice
+            out = out.as_strided(out.shape, out.stride(), 0)
+        return real_add(x, r, out=out)
+
+    monkeypatch.setattr(nccl_bench.torch, "add", add)
+    for error in run_check(17, 1, producer=True):
+        assert isinstance(error, RowsDiffer), error
+        assert "packed gather without copy (N=17, k=1): tensor 0 differs" in str(error)
 
 
 def ratio_points(ratios: dict[int, float], k: int = 1) -> list[dict]:
