@@ -61,12 +61,15 @@ def pool(request, pools) -> RankPool:
 
 @pytest.fixture(scope="session")
 def reference():
-    """The TP1×PP1 result of a scenario (SP is meaningless there)."""
+    """The TP1×PP1 result of a scenario (SP is meaningless there, and the
+    production flags change how ranks split the work, not the result)."""
     pool = RankPool(tp=1, pp=1, preload=PRELOAD)
     results: dict[Scenario, StageResult] = {}
 
     def result(scenario: Scenario) -> StageResult:
-        key = dataclasses.replace(scenario, sp=False, fault="", runner="")
+        key = dataclasses.replace(
+            scenario, sp=False, fault="", runner="", production_flags=False
+        )
         if key not in results:
             (results[key],) = pool.run(run_step, key)
         return results[key]

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from tests.distributed.conftest import topologies
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step
 
@@ -130,6 +132,66 @@ def test_sp_across_stages_through_the_legacy_runner_buffers(pool, reference):
     ]
     found = failures(pool, chosen, reference)
     assert not found, "\n".join(found)
+
+
+def production_flag_scenarios(tp: int, pp: int) -> list[Scenario]:
+    """The seed's serving flags at the counts where padding bites."""
+    chosen = [Scenario(True, n, production_flags=True) for n in sorted({1, tp + 1, 17})]
+    chosen.append(
+        Scenario(
+            True, 17, attn_res=True, aux_layers=aux_taps(pp), production_flags=True
+        )
+    )
+    return chosen
+
+
+def local_hidden_rows(result: StageResult) -> list[int]:
+    """Rows of this rank's hidden states as the stage ends: what it sends on,
+    or what the last stage gathers."""
+    return [
+        r.shape[0]
+        for r in result.ledger.records
+        if (r.op == "pp_send" and r.key == "hidden_states") or r.phase == "stage output"
+    ]
+
+
+@topologies((2, 3), (2, 2))
+def test_sp_across_stages_with_the_production_flags(pool, reference):
+    """VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT=1: every layer's MLP (dense on the
+    first stage, the MoE's shared expert on later ones) runs TP-sharded with
+    a gather before and a reduce-scatter after. VLLM_MOE_SKIP_PADDING=1: each
+    rank's padding mask is its own rows of the runner's mask, on every stage,
+    as many rows as its hidden states. Results still match the reference."""
+    problems = failures(pool, production_flag_scenarios(pool.tp, pool.pp), reference)
+    for scenario in production_flag_scenarios(pool.tp, pool.pp):
+        n, rows = scenario.num_tokens, -(-scenario.num_tokens // pool.tp)
+        for rank, result in enumerate(pool.run(run_step, scenario)):
+            where = f"{scenario}, rank {rank}"
+            start, end = result.layers
+            scatters = [
+                r
+                for r in result.ledger.records
+                if r.op == "reduce_scatter" and r.phase == "layers"
+            ]
+            # One reduce-scatter per attention block and one per sharded MLP.
+            if result.sharded_mlps != end - start or len(scatters) != 2 * (end - start):
+                problems.append(
+                    f"{where}: {result.sharded_mlps} sharded MLPs, "
+                    f"{len(scatters)} reduce-scatters for layers [{start}, {end})"
+                )
+            padded = torch.cat(
+                [result.dispatched_padding, torch.ones(rows * pool.tp - n, dtype=bool)]
+            )
+            tp_rank = rank % pool.tp
+            want = padded[tp_rank * rows : (tp_rank + 1) * rows]
+            if not torch.equal(result.padding_mask, want):
+                problems.append(f"{where}: mask {result.padding_mask} != {want}")
+            if local_hidden_rows(result) != [rows]:
+                problems.append(
+                    f"{where}: hidden rows {local_hidden_rows(result)}, mask rows "
+                    f"{result.padding_mask.shape[0]}"
+                )
+    assert not problems, "\n".join(problems)
 
 
 def boundary_keys(taps: tuple[int, ...], end_layer: int) -> set[str]:

@@ -129,12 +129,19 @@ def main(argv: list[str] | None = None) -> int:
         default="0,2,3",
         help="aux hidden-state layers, comma-separated ('' for none)",
     )
+    parser.add_argument(
+        "--production-flags",
+        action="store_true",
+        help="the seed's VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT=1 and "
+        "VLLM_MOE_SKIP_PADDING=1, with a padding mask in the forward context",
+    )
     args = parser.parse_args(argv)
     scenario = Scenario(
         sp=args.sp,
         num_tokens=args.tokens,
         attn_res=args.attn_res,
         aux_layers=tuple(int(x) for x in args.aux.split(",") if x),
+        production_flags=args.production_flags,
     )
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     print(f"starting TP{args.tp}×PP{args.pp} ranks ...", file=sys.stderr, flush=True)

@@ -11,7 +11,10 @@ V2 runner's own ``PPHandler.relay_aux_hidden_states``.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import types
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +29,7 @@ from tests.sppp_testbed.tiny_k3 import (
 )
 from vllm.config import set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+from vllm.forward_context import ForwardContext, override_forward_context
 from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
@@ -50,6 +54,9 @@ class Scenario:
     # "legacy": later stages take the hand-off through the legacy runner's
     # persistent buffers (GPUModelRunner.sync_and_gather_intermediate_tensors).
     runner: str = ""
+    # The seed's serving flags (PRODUCTION_FLAGS), and a forward context whose
+    # is_padding marks the batch's last quarter as runner padding.
+    production_flags: bool = False
 
     def __str__(self) -> str:
         options = [f"N={self.num_tokens}", "SP" if self.sp else "no SP"]
@@ -61,6 +68,8 @@ class Scenario:
             options.append(f"fault={self.fault}")
         if self.runner:
             options.append(f"runner={self.runner}")
+        if self.production_flags:
+            options.append("production flags")
         return ", ".join(options)
 
 
@@ -71,6 +80,53 @@ class StageResult:
     ledger: CommLedger
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
+    # Dense and shared-expert MLPs of this stage that run TP-sharded.
+    sharded_mlps: int = 0
+    # With production flags: the runner's padding mask and what the model
+    # left in the forward context (this rank's rows under SP).
+    dispatched_padding: torch.Tensor | None = None
+    padding_mask: torch.Tensor | None = None
+
+
+# The seed's serve command sets the first; the second is 0.33.0's default,
+# set explicitly so the test bed does not depend on it.
+PRODUCTION_FLAGS = {
+    "VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT": "1",
+    "VLLM_MOE_SKIP_PADDING": "1",
+}
+
+
+@contextlib.contextmanager
+def environment(variables: dict[str, str]) -> Iterator[None]:
+    """Set ``variables`` for the step (vLLM reads them as it builds and runs
+    the model) and restore the rank's environment afterwards."""
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def forward_context(
+    scenario: Scenario, num_tokens: int
+) -> Iterator[ForwardContext | None]:
+    """A forward context as a runner sets it, with the batch's last quarter
+    marked as padding, for the production-flag scenarios; none otherwise."""
+    if not scenario.production_flags:
+        yield None
+        return
+    is_padding = torch.arange(num_tokens) >= num_tokens - num_tokens // 4
+    context = ForwardContext(
+        no_compile_layers={}, attn_metadata={}, slot_mapping={}, is_padding=is_padding
+    )
+    with override_forward_context(context):
+        yield context
 
 
 def gather_by_shape(model: torch.nn.Module) -> None:
@@ -166,6 +222,7 @@ def run_step(scenario: Scenario) -> StageResult:
     )
     ledger = CommLedger()
     with (
+        environment(PRODUCTION_FLAGS if scenario.production_flags else {}),
         set_current_vllm_config(config),
         stand_ins(),
         torch.no_grad(),
@@ -179,7 +236,13 @@ def run_step(scenario: Scenario) -> StageResult:
         ledger.watch_stage(model)
         overrides = transport_overrides(model)
         result = StageResult(
-            model.use_sequence_parallel, (model.start_layer, model.end_layer), ledger
+            model.use_sequence_parallel,
+            (model.start_layer, model.end_layer),
+            ledger,
+            sharded_mlps=sum(
+                isinstance(module, k3.KimiMLP) and module.shard_sequence_parallel
+                for module in model.modules()
+            ),
         )
         intermediate = None
         if not pp_group.is_first_rank:
@@ -198,8 +261,15 @@ def run_step(scenario: Scenario) -> StageResult:
             intermediate = through_legacy_runner(model, intermediate, num_tokens)
         ids = token_ids(scenario.num_tokens, scenario.seed)
         ids = torch.cat([ids, ids.new_zeros(num_tokens - ids.shape[0])])
-        with ledger.in_phase("layers"):
+        with (
+            ledger.in_phase("layers"),
+            forward_context(scenario, num_tokens) as context,
+        ):
+            if context is not None:
+                result.dispatched_padding = context.is_padding
             output = model(ids, torch.arange(num_tokens), intermediate)
+            if context is not None:
+                result.padding_mask = context.is_padding
         if not pp_group.is_last_rank:
             assert isinstance(output, IntermediateTensors)
             relay = types.SimpleNamespace(

@@ -41,6 +41,7 @@ from vllm.config import (
 from vllm.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
 )
 from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
 from vllm.model_executor.layers.vocab_parallel_embedding import (
@@ -81,14 +82,42 @@ class SequenceMixer(nn.Module):
 
 
 class TokenwiseExperts(nn.Module):
-    """MoE stand-in: a per-token map, the same on every rank."""
+    """MoE stand-in: routed experts as a per-token map, the same on every
+    rank, plus the real shared expert (``KimiMLP``) built as ``KimiMoE``
+    builds it, so its sequence-parallel sharding
+    (``VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT``) runs vLLM's code."""
 
-    def __init__(self, config: KimiLinearConfig, *args, prefix: str = "", **kwargs):
+    def __init__(
+        self,
+        config: KimiLinearConfig,
+        vllm_config: VllmConfig,
+        *args,
+        use_sequence_parallel: bool,
+        prefix: str = "",
+        **kwargs,
+    ):
         super().__init__()
+        self.use_sequence_parallel = use_sequence_parallel
         self.weight = nn.Parameter(torch.empty(config.hidden_size, config.hidden_size))
+        self.shared_experts = k3.KimiMLP(
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size * config.num_shared_experts,
+            hidden_act=config.hidden_act,
+            reduce_results=False,
+            use_sequence_parallel=use_sequence_parallel,
+            can_shard_sequence_parallel=k3.can_shard_sequence_parallel_shared_expert(
+                vllm_config
+            ),
+            prefix=f"{prefix}.shared_experts",
+        )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(hidden_states @ self.weight)
+        shared = self.shared_experts(hidden_states)
+        if not self.use_sequence_parallel:
+            # TP-sharded without SP: KimiMoE sums the partials with the routed
+            # output's all-reduce.
+            shared = tensor_model_parallel_all_reduce(shared)
+        return torch.tanh(hidden_states @ self.weight) + shared
 
 
 def attn_res_reference(
@@ -145,6 +174,8 @@ def tiny_config(attn_res: bool = False) -> KimiLinearConfig:
         num_attention_heads=4,
         num_experts=4,
         num_experts_per_token=2,
+        num_shared_experts=1,
+        moe_intermediate_size=32,
         first_k_dense_replace=1,
         linear_attn_config={
             "kda_layers": [1, 3],
