@@ -179,11 +179,13 @@ def build(
     return ServeCommand(env, tuple(argv))
 
 
-def command_template(arm_name: str) -> str:
-    """The arm's head-node command with each value left as ``<MAKEVAR>``:
-    what result manifests record."""
+def served_as(arm_name: str) -> dict:
+    """What result manifests record of how the arm is served: its head-node
+    command and, by name, the environment it sets (PYTHONPATH included), each
+    node's own value left as ``<MAKEVAR>``."""
     values = {key: f"<{make}>" for key, (make, _) in PLACEHOLDERS.items()}
-    return build(arm_name, {**values, "node_rank": "0"}).shell()
+    command = build(arm_name, {**values, "node_rank": "0"})
+    return {"serve_command": command.shell(), "serve_env": dict(command.env)}
 
 
 def flag_value(command: ServeCommand, flag: str) -> str | None:

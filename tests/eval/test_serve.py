@@ -37,6 +37,16 @@ SEED_REMOVALS = {
 # define the seed's GEMM-RS variable (it would only warn, and MegaMoE+SP would
 # run without GEMM-RS); it reads VLLM_ENABLE_GEMM_RS for Kimi K3 under SP.
 RENAMED = {"VLLM_KIMI_K3_GEMM_RS": "VLLM_ENABLE_GEMM_RS"}
+# What result manifests record of every arm's environment: each node's own
+# values as make variables.
+SERVED_ENV = {
+    "PYTHONPATH": "<DEEPGEMM>",
+    "VLLM_HOST_IP": "<HOST_IP>",
+    "VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT": "1",
+    "VLLM_ENABLE_GEMM_RS": "1",
+    "VLLM_USE_RUST_FRONTEND": "1",
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
+}
 
 
 def seed_command(node_rank: int) -> tuple[list[tuple[str, str]], list[str]]:
@@ -104,6 +114,15 @@ def test_the_seeds_variable_is_refused_naming_the_one_meant():
     (problem,) = serve.undefined_env(seed, defined, "py")
     assert problem.startswith("VLLM_KIMI_K3_GEMM_RS (eval/arms.toml) is not a ")
     assert "VLLM_ENABLE_GEMM_RS" in problem.split("closest defined: ")[1]
+
+
+@pytest.mark.parametrize("arm", sorted(SEED_REMOVALS))
+def test_manifests_record_the_environment_each_arm_is_served_with(arm):
+    served = serve.served_as(arm)
+    # In the order the command sets it.
+    assert list(served["serve_env"].items()) == list(SERVED_ENV.items())
+    words = shlex.split(served["serve_command"].replace("\\\n", " "))
+    assert words[: len(SERVED_ENV)] == [f"{k}={v}" for k, v in SERVED_ENV.items()]
 
 
 @pytest.mark.parametrize("arm", sorted(SEED_REMOVALS))
