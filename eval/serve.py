@@ -211,12 +211,15 @@ def no_vllm(python: str, why: str) -> str:
 
 def defined_env(command: ServeCommand, python: str) -> frozenset[str]:
     """The ``VLLM_*`` names the vLLM that ``python`` serves with defines."""
-    probe = subprocess.run(
-        [python, "-c", DEFINED_ENV_PROBE],
-        env=served_env(command),
-        capture_output=True,
-        text=True,
-    )
+    try:
+        probe = subprocess.run(
+            [python, "-c", DEFINED_ENV_PROBE],
+            env=served_env(command),
+            capture_output=True,
+            text=True,
+        )
+    except OSError as error:  # no such interpreter, or not executable
+        raise ServeError(no_vllm(python, error.strerror)) from None
     if probe.returncode != 0:
         raise ServeError(no_vllm(python, last_line(probe, "no answer")))
     return frozenset(probe.stdout.split())

@@ -276,10 +276,19 @@ def test_a_variable_the_serving_vllm_does_not_define_is_refused(tmp_path, run):
 
 
 @pytest.mark.parametrize("run", [False, True], ids=["print", "run"])
-def test_printing_needs_the_serving_vllm(tmp_path, run):
-    result = serve_cli(fake_python(tmp_path, vllm=False), *["--run"][:run])
+@pytest.mark.parametrize(
+    ("interpreter", "why"),
+    [("without-vllm", "No module named 'vllm'"), ("none", "No such file")],
+)
+def test_printing_needs_the_serving_vllm(tmp_path, run, interpreter, why):
+    python = (
+        fake_python(tmp_path, vllm=False)
+        if interpreter == "without-vllm"
+        else str(tmp_path / "missing" / "python")
+    )
+    result = serve_cli(python, *["--run"][:run])
     assert result.returncode == 1
     assert result.stdout == ""
-    assert result.stderr.startswith("serve: vLLM is not importable by ")
-    assert "No module named 'vllm'" in result.stderr
-    assert "SERVE_PYTHON=" in result.stderr
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"serve: vLLM is not importable by {python} ({why}")
+    assert "SERVE_PYTHON=" in line
