@@ -153,7 +153,7 @@ def write_manifest(
             "base_url": args.base_url,
             "model": args.model,
             "tokenizer": args.tokenizer,
-            "serve_command": serve.command_template(arm.name),
+            **serve.served_as(arm.name),
         }
     )
     manifest["runs"].append(

@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
         "base_url": base_url,
         "model": args.model,
         "served_vllm_version": served_version,
-        "serve_command": serve.command_template(arm.name),
+        **serve.served_as(arm.name),
         "lm_eval": {
             "version": lm_eval_version(),
             "args": lm_args,
@@ -280,6 +280,14 @@ def comparable(base: ArmRun, other: ArmRun) -> list[str]:
         b = other.results["configs"][other.task].get(key)
         if a != b:
             reasons.append(f"{label}: {key} {a} vs {b}")
+    # The arms share one environment: a difference is a run served from
+    # another arms file (before a variable was renamed, say).
+    a = base.manifest.get("serve_env") or {}
+    b = other.manifest.get("serve_env") or {}
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            reason = f"{name} {a.get(name)} vs {b.get(name)}"
+            reasons.append(f"serving environment: {reason}")
     a, b = base.manifest["settings"], other.manifest["settings"]
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):

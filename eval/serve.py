@@ -5,15 +5,19 @@
         --master-addr 10.0.0.1 --host-ip 10.0.0.1 --deepgemm /opt/DeepGEMM
 
 prints the command (environment included) as the arms file defines it for
-that node; ``--run`` first checks what the node needs (vLLM importable by
-``--python``, the patch set applied where the arm needs it, DeepGEMM
-importable where the MegaMoE backend is asked for), says what is missing,
-and otherwise replaces this process with the server.
+that node, after checking that the vLLM of ``--python`` defines every
+``VLLM_*`` variable the arm sets (vLLM itself only warns about the others, and
+runs as if they were unset); ``--run`` first checks what the node needs (vLLM
+importable by ``--python``, the patch set applied where the arm needs it,
+DeepGEMM importable where the MegaMoE backend is asked for, DeepEP where the
+``deepep_v2`` all-to-all is), says what is missing, and otherwise replaces this
+process with the server.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import re
 import shlex
@@ -26,6 +30,51 @@ from pathlib import Path
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 ARMS_FILE = PROJECT_DIR / "eval" / "arms.toml"
 MEGA_MOE_BACKEND = "deep_gemm_mega_moe"
+DEEPEP_BACKEND = "deepep_v2"
+
+# Run by the serving interpreter: its vLLM package and the names its envs.py
+# defines. vLLM warns about any VLLM_* variable that is not a key of
+# envs.environment_variables (Platform.validate_environ); the keys are read
+# from that dict literal without importing vllm, which imports torch: seconds
+# on every printed command, and a GPU stack on the machine that prints it.
+DEFINED_ENV_PROBE = """
+import ast, importlib.util, os, sys
+spec = importlib.util.find_spec("vllm")
+if spec is None or not spec.submodule_search_locations:
+    sys.exit("No module named 'vllm'")
+vllm_dir = list(spec.submodule_search_locations)[0]
+path = os.path.join(vllm_dir, "envs.py")
+with open(path) as f:
+    tree = ast.parse(f.read(), path)
+for node in tree.body:
+    target = node.target if isinstance(node, ast.AnnAssign) else None
+    if isinstance(node, ast.Assign):
+        target = node.targets[0]
+    if getattr(target, "id", "") == "environment_variables":
+        keys = getattr(node.value, "keys", None)
+        if not keys or not all(isinstance(getattr(k, "value", 0), str) for k in keys):
+            sys.exit(f"{path}: environment_variables is not a dict of names")
+        print("\\n".join(k.value for k in keys))
+        break
+else:
+    sys.exit(f"{path} has no environment_variables dict")
+"""
+
+# Run by the serving interpreter with the arm's environment: why the deepep_v2
+# all-to-all cannot start, through vLLM's own check where it has one (the
+# deep_ep module, its v2 ElasticBuffer API, the NCCL it needs).
+DEEP_EP_PROBE = """
+import importlib.util, sys
+if importlib.util.find_spec("deep_ep") is None:
+    sys.exit("No module named 'deep_ep'")
+try:
+    from vllm.utils.import_utils import deep_ep_v2_unavailable_reason
+except ImportError:
+    import deep_ep
+else:
+    if reason := deep_ep_v2_unavailable_reason():
+        sys.exit(reason)
+"""
 
 # Placeholder -> (make variable, CLI option): what a user sets to fill it.
 PLACEHOLDERS = {
@@ -130,11 +179,13 @@ def build(
     return ServeCommand(env, tuple(argv))
 
 
-def command_template(arm_name: str) -> str:
-    """The arm's head-node command with each value left as ``<MAKEVAR>``:
-    what result manifests record."""
+def served_as(arm_name: str) -> dict:
+    """What result manifests record of how the arm is served: its head-node
+    command and, by name, the environment it sets (PYTHONPATH included), each
+    node's own value left as ``<MAKEVAR>``."""
     values = {key: f"<{make}>" for key, (make, _) in PLACEHOLDERS.items()}
-    return build(arm_name, {**values, "node_rank": "0"}).shell()
+    command = build(arm_name, {**values, "node_rank": "0"})
+    return {"serve_command": command.shell(), "serve_env": dict(command.env)}
 
 
 def flag_value(command: ServeCommand, flag: str) -> str | None:
@@ -142,20 +193,69 @@ def flag_value(command: ServeCommand, flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
+def served_env(command: ServeCommand) -> dict[str, str]:
+    """The environment the server gets: this one with the arm's on top."""
+    return {**os.environ, **dict(command.env)}
+
+
+def last_line(proc: subprocess.CompletedProcess, default: str) -> str:
+    return (proc.stderr.strip().splitlines() or [default])[-1]
+
+
+def no_vllm(python: str, why: str) -> str:
+    return (
+        f"vLLM is not importable by {python} ({why}); run `make apply` "
+        "or pass SERVE_PYTHON= (--python) for the environment that has it"
+    )
+
+
+def defined_env(command: ServeCommand, python: str) -> frozenset[str]:
+    """The ``VLLM_*`` names the vLLM that ``python`` serves with defines."""
+    try:
+        probe = subprocess.run(
+            [python, "-c", DEFINED_ENV_PROBE],
+            env=served_env(command),
+            capture_output=True,
+            text=True,
+        )
+    except OSError as error:  # no such interpreter, or not executable
+        raise ServeError(no_vllm(python, error.strerror)) from None
+    if probe.returncode != 0:
+        raise ServeError(no_vllm(python, last_line(probe, "no answer")))
+    return frozenset(probe.stdout.split())
+
+
+def undefined_env(
+    command: ServeCommand, defined: frozenset[str], python: str
+) -> list[str]:
+    """A line for each ``VLLM_*`` variable of the arm that vLLM does not define,
+    with the defined names closest to it."""
+    problems = []
+    for name, _ in command.env:
+        if not name.startswith("VLLM_") or name in defined:
+            continue
+        # Several names: the closest by spelling need not be the one meant
+        # (the seed's VLLM_KIMI_K3_GEMM_RS is nearest VLLM_KIMI_K3_GEMM_AR).
+        close = difflib.get_close_matches(name, sorted(defined), n=3)
+        problems.append(
+            f"{name} (eval/arms.toml) is not a variable the vLLM of {python} "
+            "defines: it would warn and run as if it were unset; "
+            + (f"closest defined: {', '.join(close)}" if close else "none is close")
+        )
+    return problems
+
+
 def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
     """What this node lacks to run ``command``; empty when it is ready."""
     problems = []
     probe = subprocess.run(
         [python, "-c", "import vllm, os; print(os.path.dirname(vllm.__file__))"],
+        env=served_env(command),
         capture_output=True,
         text=True,
     )
     if probe.returncode != 0:
-        tail = (probe.stderr.strip().splitlines() or ["not found"])[-1]
-        return [
-            f"vLLM is not importable by {python} ({tail}); run `make apply` "
-            "or pass SERVE_PYTHON= (--python) for the environment that has it"
-        ]
+        return [no_vllm(python, last_line(probe, "not found"))]
     vllm_dir = probe.stdout.strip().splitlines()[-1]
     if arm.needs_patch_set:
         status = subprocess.run(
@@ -175,8 +275,8 @@ def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
                 f"(apply.py status exit {status.returncode}): run "
                 f"`make apply VLLM={vllm_dir}`\n{status.stdout.strip()}"
             )
+    env = served_env(command)
     if MEGA_MOE_BACKEND in (flag_value(command, "--kernel-config") or ""):
-        env = {**os.environ, **dict(command.env)}
         deep_gemm = subprocess.run(
             [python, "-c", "import deep_gemm"], env=env, capture_output=True, text=True
         )
@@ -186,13 +286,23 @@ def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
                 f"cannot import with PYTHONPATH={env.get('PYTHONPATH', '')}: set "
                 "DEEPGEMM= (--deepgemm) to a DeepGEMM build"
             )
+    if flag_value(command, "--all2all-backend") == DEEPEP_BACKEND:
+        deep_ep = subprocess.run(
+            [python, "-c", DEEP_EP_PROBE], env=env, capture_output=True, text=True
+        )
+        if deep_ep.returncode != 0:
+            problems.append(
+                f"--all2all-backend {DEEPEP_BACKEND} needs DeepEP v2 (the deep_ep "
+                f"module) in the environment of {python}: "
+                f"{last_line(deep_ep, 'no answer')}"
+            )
     return problems
 
 
 def run(command: ServeCommand, python: str) -> None:
     """Replace this process with the server, ``vllm`` taken from ``python``'s
     environment."""
-    env = {**os.environ, **dict(command.env)}
+    env = served_env(command)
     env["PATH"] = f"{Path(python).parent}{os.pathsep}{env.get('PATH', '')}"
     os.execvpe(command.argv[0], list(command.argv), env)
 
@@ -212,8 +322,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         arm = get_arm(args.arm)
         command = build(args.arm, {k: getattr(args, k) for k in PLACEHOLDERS})
+        defined = defined_env(command, args.python)
     except ServeError as error:
         print(f"serve: {error}", file=sys.stderr)
+        return 1
+    if undefined := undefined_env(command, defined, args.python):
+        for problem in undefined:
+            print(f"serve: {problem}", file=sys.stderr)
         return 1
     print(f"# {arm.label}: {arm.description}, node rank {args.node_rank}")
     print(command.shell())

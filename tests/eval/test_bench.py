@@ -17,6 +17,7 @@ import pytest
 
 from eval import bench
 from tests.eval.fake_openai import serving
+from tests.eval.test_serve import SERVED_ENV
 
 DATA = Path(__file__).parent / "data"
 ARM_COLUMNS = {"fi-noep": 2, "fi-ep": 3, "mega-sp": 4}
@@ -279,6 +280,7 @@ def test_failed_point_stops_the_sweep_and_a_rerun_resumes(tmp_path):
     ] * 2
     assert manifest["runs"][0]["served_vllm_version"] == "0.33.0"
     assert "--kernel-config" in manifest["serve_command"]
+    assert manifest["serve_env"] == SERVED_ENV
 
 
 @pytest.mark.parametrize(

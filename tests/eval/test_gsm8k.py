@@ -15,6 +15,7 @@ import pytest
 
 from eval import gsm8k
 from tests.eval.fake_openai import gsm8k_answerer, serving
+from tests.eval.test_serve import SERVED_ENV
 
 DATA = Path(__file__).parent / "data" / "gsm8k"
 TASK = "gsm8k"
@@ -30,6 +31,7 @@ def write_run(
     max_gen_toks: int = gsm8k.MAX_GEN_TOKS,
     answer_offset: int = 0,
     dataset: str = "question",
+    serve_env: dict[str, str] | None = None,
 ) -> None:
     """A finished run in lm-eval's layout: per question the same answer text
     (changed by ``answer_offset``) and ``correct`` for both filters."""
@@ -70,6 +72,7 @@ def write_run(
     manifest = {
         "arm": arm,
         "settings": {**gsm8k.settings(), "max_gen_toks": max_gen_toks},
+        "serve_env": SERVED_ENV if serve_env is None else serve_env,
         "lm_eval": {
             "results": "lm_eval/results.json",
             "samples": "lm_eval/samples.jsonl",
@@ -185,6 +188,18 @@ def test_runs_with_different_settings_are_refused(tmp_path, capsys, changes, mes
     assert message in err
 
 
+def test_a_run_served_with_another_environment_is_refused(tmp_path, capsys):
+    # A run served before the GEMM-RS variable was renamed.
+    old = {("VLLM_KIMI_K3_GEMM_RS" if k == "VLLM_ENABLE_GEMM_RS" else k): v
+           for k, v in SERVED_ENV.items()}  # fmt: skip
+    write_run(tmp_path, "fi-ep", [True] * 20)
+    write_run(tmp_path, "mega-sp", [True] * 20, serve_env=old)
+    code, _, err = compare(tmp_path, capsys)
+    assert code == 2
+    assert "mega-sp vs fi-ep: serving environment: VLLM_ENABLE_GEMM_RS 1 vs None" in err
+    assert "serving environment: VLLM_KIMI_K3_GEMM_RS None vs 1" in err
+
+
 def test_compare_without_the_baseline_says_which_run_is_missing(tmp_path, capsys):
     write_run(tmp_path, "mega-sp", [True] * 20)
     code, _, err = compare(tmp_path, capsys)
@@ -225,6 +240,7 @@ def test_end_to_end_against_a_local_server(tmp_path, capsys):
     assert manifest["served_vllm_version"] == "0.33.0"
     assert manifest["lm_eval"]["version"] == "0.4.13"
     assert "--kernel-config" in manifest["serve_command"]
+    assert manifest["serve_env"] == SERVED_ENV
     assert manifest["patch_set"]["state"] == "applied (this revision)"
     assert manifest["data"] == str(DATA.resolve())
     assert "tokenized_requests=False" in " ".join(manifest["lm_eval"]["args"])

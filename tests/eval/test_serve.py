@@ -1,6 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
-"""The arms file reproduces the upstream pull request's serve command, and
-``--run`` says what a node lacks before it starts anything."""
+"""The arms file reproduces the upstream pull request's serve command (one
+documented difference: a variable vLLM 0.33.0 names otherwise), printing
+refuses a VLLM_* variable the serving vLLM does not define, and ``--run`` says
+what a node lacks before it starts anything."""
 
 from __future__ import annotations
 
@@ -30,6 +32,20 @@ SEED_REMOVALS = {
     "mega-sp": [],
     "fi-ep": ["--kernel-config"],
     "fi-noep": ["--kernel-config", "--enable-expert-parallel", "--all2all-backend"],
+}
+# The one intended difference from the seed's command. vLLM 0.33.0 does not
+# define the seed's GEMM-RS variable (it would only warn, and MegaMoE+SP would
+# run without GEMM-RS); it reads VLLM_ENABLE_GEMM_RS for Kimi K3 under SP.
+RENAMED = {"VLLM_KIMI_K3_GEMM_RS": "VLLM_ENABLE_GEMM_RS"}
+# What result manifests record of every arm's environment: each node's own
+# values as make variables.
+SERVED_ENV = {
+    "PYTHONPATH": "<DEEPGEMM>",
+    "VLLM_HOST_IP": "<HOST_IP>",
+    "VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT": "1",
+    "VLLM_ENABLE_GEMM_RS": "1",
+    "VLLM_USE_RUST_FRONTEND": "1",
+    "VLLM_USE_V2_MODEL_RUNNER": "1",
 }
 
 
@@ -70,9 +86,43 @@ def without(argv: list[str], flags: list[str]) -> list[str]:
 def test_each_arm_is_the_seed_command_for_each_node(arm, node_rank):
     env, argv = seed_command(node_rank)
     command = serve.build(arm, {**VALUES, "node_rank": str(node_rank)})
-    assert list(command.env) == env
+    assert list(command.env) == [(RENAMED.get(name, name), v) for name, v in env]
     assert list(command.argv) == without(argv, SEED_REMOVALS[arm])
     assert ("--headless" in command.argv) == (node_rank == 1)
+
+
+def test_the_renamed_variable_is_the_seeds_and_only_the_new_name_is_defined():
+    env, _ = seed_command(0)
+    assert set(RENAMED) <= {name for name, _ in env}  # seed_serve.sh kept verbatim
+    command = serve.build("mega-sp", {**VALUES, "node_rank": "0"})
+    defined = serve.defined_env(command, sys.executable)  # the installed 0.33.0
+    for old, new in RENAMED.items():
+        assert old not in defined and new in defined
+
+
+@pytest.mark.parametrize("arm", sorted(SEED_REMOVALS))
+def test_every_variable_of_the_arm_is_defined_by_the_installed_vllm(arm):
+    command = serve.build(arm, {**VALUES, "node_rank": "0"})
+    defined = serve.defined_env(command, sys.executable)
+    assert serve.undefined_env(command, defined, sys.executable) == []
+
+
+def test_the_seeds_variable_is_refused_naming_the_one_meant():
+    env, argv = seed_command(0)
+    seed = serve.ServeCommand(tuple(env), tuple(argv))
+    defined = serve.defined_env(seed, sys.executable)
+    (problem,) = serve.undefined_env(seed, defined, "py")
+    assert problem.startswith("VLLM_KIMI_K3_GEMM_RS (eval/arms.toml) is not a ")
+    assert "VLLM_ENABLE_GEMM_RS" in problem.split("closest defined: ")[1]
+
+
+@pytest.mark.parametrize("arm", sorted(SEED_REMOVALS))
+def test_manifests_record_the_environment_each_arm_is_served_with(arm):
+    served = serve.served_as(arm)
+    # In the order the command sets it.
+    assert list(served["serve_env"].items()) == list(SERVED_ENV.items())
+    words = shlex.split(served["serve_command"].replace("\\\n", " "))
+    assert words[: len(SERVED_ENV)] == [f"{k}={v}" for k, v in SERVED_ENV.items()]
 
 
 @pytest.mark.parametrize("arm", sorted(SEED_REMOVALS))
@@ -93,54 +143,89 @@ def test_missing_values_are_named_with_their_make_variables():
         serve.build("mega", {**VALUES, "node_rank": "0"})
 
 
-def fake_python(tmp_path: Path, vllm_dir: Path | None, deep_gemm: bool) -> str:
-    """An interpreter that answers the preflight probes as a node would."""
+def arm_env_names() -> list[str]:
+    serve_spec, _ = serve.load_arms()
+    return [name for name, _ in serve_spec["env"] if name.startswith("VLLM_")]
+
+
+def fake_python(
+    tmp_path: Path,
+    vllm: bool = True,
+    defines: list[str] | None = None,
+    modules: tuple[str, ...] = (),
+    deep_ep_reason: str | None = None,
+) -> str:
+    """An interpreter whose only packages are a stand-in vLLM 0.33.0 (its envs.py
+    defining ``defines``, default the arms' names) and empty ``modules``."""
+    site = tmp_path / "site"
+    site.mkdir(parents=True)
+    if vllm:
+        package = site / "vllm"
+        (package / "utils").mkdir(parents=True)
+        (package / "__init__.py").write_text("")
+        (package / "_version.py").write_text("__version__ = version = '0.33.0'\n")
+        names = arm_env_names() if defines is None else defines
+        (package / "envs.py").write_text(
+            "environment_variables: dict = {\n"
+            + "".join(f"    {name!r}: lambda: None,\n" for name in names)
+            + "}\n"
+        )
+        if deep_ep_reason is not None:
+            (package / "utils" / "import_utils.py").write_text(
+                f"def deep_ep_v2_unavailable_reason():\n    return {deep_ep_reason!r}\n"
+            )
+    for module in modules:
+        (site / module).mkdir()
+        (site / module / "__init__.py").write_text("")
     script = tmp_path / "python"
-    vllm_line = (
-        f'*"import vllm"*) echo {vllm_dir}; exit 0;;'
-        if vllm_dir
-        else '*"import vllm"*) echo "No module named \'vllm\'" >&2; exit 1;;'
-    )
-    script.write_text(
-        "#!/bin/sh\n"
-        'case "$2" in\n'
-        f"  {vllm_line}\n"
-        f'  *"import deep_gemm"*) exit {0 if deep_gemm else 1};;\n'
-        "esac\n"
-    )
+    # -S: nothing from the real site-packages (which holds the real vLLM).
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} -S "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return str(script)
-
-
-def unpatched_vllm(tmp_path: Path) -> Path:
-    package = tmp_path / "site-packages" / "vllm"
-    package.mkdir(parents=True)
-    (package / "_version.py").write_text("__version__ = version = '0.33.0'\n")
-    return package
 
 
 def test_preflight_names_what_the_node_lacks(tmp_path):
     command = serve.build("mega-sp", {**VALUES, "node_rank": "0"})
     arm = serve.get_arm("mega-sp")
-    no_vllm = fake_python(tmp_path, None, deep_gemm=True)
+    no_vllm = fake_python(tmp_path / "none", vllm=False)
     (problem,) = serve.preflight(arm, command, no_vllm)
     assert "vLLM is not importable" in problem and "No module named" in problem
 
-    bare = fake_python(tmp_path, unpatched_vllm(tmp_path), deep_gemm=False)
+    bare = fake_python(tmp_path / "bare")
     problems = serve.preflight(arm, command, bare)
-    assert len(problems) == 2
+    assert len(problems) == 3
     assert "needs the k3-sppp patch set" in problems[0]
     assert "make apply VLLM=" in problems[0]
     assert "needs DeepGEMM" in problems[1] and "DEEPGEMM=" in problems[1]
+    assert problems[2].startswith("--all2all-backend deepep_v2 needs DeepEP")
+    assert problems[2].endswith("No module named 'deep_ep'")
 
-    # The FlashInfer arms need neither the patch set nor DeepGEMM.
+    # The FlashInfer arms need neither the patch set nor DeepGEMM; FI+EP keeps
+    # the deepep_v2 all-to-all, FI/no-EP drops it.
     fi = serve.build("fi-ep", {**VALUES, "node_rank": "0"})
-    assert serve.preflight(serve.get_arm("fi-ep"), fi, bare) == []
+    (problem,) = serve.preflight(serve.get_arm("fi-ep"), fi, bare)
+    assert "needs DeepEP" in problem
+    noep = serve.build("fi-noep", {**VALUES, "node_rank": "0"})
+    assert serve.preflight(serve.get_arm("fi-noep"), noep, bare) == []
 
 
-def test_run_refuses_before_starting_anything(tmp_path):
-    python = fake_python(tmp_path, unpatched_vllm(tmp_path), deep_gemm=False)
-    result = subprocess.run(
+def test_deepep_is_checked_the_way_the_serving_vllm_checks_it(tmp_path):
+    fi = serve.build("fi-ep", {**VALUES, "node_rank": "0"})
+    arm = serve.get_arm("fi-ep")
+    # A vLLM without its own check: importing deep_ep is enough.
+    ready = fake_python(tmp_path / "ready", modules=("deep_ep",))
+    assert serve.preflight(arm, fi, ready) == []
+    # vLLM 0.33.0's deep_ep_v2_unavailable_reason() has the last word.
+    reason = "DeepEP v2 requires NCCL >= 2.30.4 but found 2.27.3."
+    old_nccl = fake_python(
+        tmp_path / "nccl", modules=("deep_ep",), deep_ep_reason=reason
+    )
+    (problem,) = serve.preflight(arm, fi, old_nccl)
+    assert problem.endswith(reason)
+
+
+def serve_cli(python: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
         [
             sys.executable,
             "eval/serve.py",
@@ -158,13 +243,52 @@ def test_run_refuses_before_starting_anything(tmp_path):
             "/d",
             "--python",
             python,
-            "--run",
+            *extra,
         ],
         capture_output=True,
         text=True,
         cwd=serve.PROJECT_DIR,
         env={**os.environ, "PATH": "/nonexistent"},
     )
+
+
+def test_run_refuses_before_starting_anything(tmp_path):
+    result = serve_cli(fake_python(tmp_path), "--run")
     assert result.returncode == 1
     assert "--headless" in result.stdout  # the command is shown first
-    assert result.stderr.count("serve: ") == 2
+    assert result.stderr.count("serve: ") == 3
+
+
+@pytest.mark.parametrize("run", [False, True], ids=["print", "run"])
+def test_a_variable_the_serving_vllm_does_not_define_is_refused(tmp_path, run):
+    # A vLLM that knows the seed's name and not ours.
+    defines = [RENAMED.get(n, n) for n in arm_env_names()]
+    defines = [n for n in defines if n != "VLLM_ENABLE_GEMM_RS"]
+    defines += ["VLLM_KIMI_K3_GEMM_RS", "VLLM_ENABLE_GEMM_AR"]
+    result = serve_cli(fake_python(tmp_path, defines=defines), *["--run"][:run])
+    assert result.returncode == 1
+    assert result.stdout == ""  # nothing to copy and paste
+    assert result.stderr.splitlines() == [
+        "serve: VLLM_ENABLE_GEMM_RS (eval/arms.toml) is not a variable the vLLM "
+        f"of {tmp_path / 'python'} defines: it would warn and run as if it were "
+        "unset; closest defined: VLLM_ENABLE_GEMM_AR, VLLM_KIMI_K3_GEMM_RS"
+    ]
+
+
+@pytest.mark.parametrize("run", [False, True], ids=["print", "run"])
+@pytest.mark.parametrize(
+    ("interpreter", "why"),
+    [("without-vllm", "No module named 'vllm'"), ("none", "No such file")],
+)
+def test_printing_needs_the_serving_vllm(tmp_path, run, interpreter, why):
+    python = (
+        fake_python(tmp_path, vllm=False)
+        if interpreter == "without-vllm"
+        else str(tmp_path / "missing" / "python")
+    )
+    result = serve_cli(python, *["--run"][:run])
+    assert result.returncode == 1
+    assert result.stdout == ""
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(f"serve: vLLM is not importable by {python} ({why}")
+    assert "SERVE_PYTHON=" in line
