@@ -97,8 +97,9 @@ comm-report: setup
 
 NPROC ?= 4
 nccl-bench: setup
-	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 $(VPY) -m \
-		torch.distributed.run --nproc-per-node $(NPROC) eval/nccl_bench.py $(NCCL_ARGS)
+	NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 \
+		$(VPY) -m torch.distributed.run --nproc-per-node $(NPROC) \
+		eval/nccl_bench.py $(NCCL_ARGS)
 
 SERVE_PYTHON ?= $(abspath $(VPY))
 serve:
