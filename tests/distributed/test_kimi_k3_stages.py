@@ -134,6 +134,37 @@ def test_sp_across_stages_through_the_legacy_runner_buffers(pool, reference):
     assert not found, "\n".join(found)
 
 
+@topologies((2, 2))
+def test_sp_end_gather_on_both_sides_of_the_packed_limit(pool, reference):
+    """The last stage packs final and aux states into one all-gather while
+    its shard fits PACKED_GATHER_MAX_BYTES, and gathers each state alone
+    above it; both give the reference's rows."""
+    taps = aux_taps(pool.pp)
+    problems = []
+    for n in (1, 3, 17):
+        rows = -(-n // pool.tp)
+        shard_bytes = rows * 64 * (1 + len(taps)) * 8  # float64
+        for limit, want in [
+            (shard_bytes, [(rows, 64 * (1 + len(taps)))]),
+            (shard_bytes - 1, [(rows, 64)] * (1 + len(taps))),
+        ]:
+            scenario = Scenario(True, n, aux_layers=taps, packed_gather_max_bytes=limit)
+            results = pool.run(run_step, scenario)
+            problems += [
+                f"{scenario}: {p}"
+                for p in mismatches(results, reference(scenario), pool.tp)
+            ]
+            for rank, result in enumerate(results[-pool.tp :], start=pool.tp):
+                gathers = [
+                    r.shape
+                    for r in result.ledger.records
+                    if r.phase == "stage output" and r.op == "all_gather"
+                ]
+                if gathers != want:
+                    problems.append(f"{scenario}, rank {rank}: gathers {gathers}")
+    assert not problems, "\n".join(problems)
+
+
 def production_flag_scenarios(tp: int, pp: int) -> list[Scenario]:
     """The seed's serving flags at the counts where padding bites."""
     chosen = [Scenario(True, n, production_flags=True) for n in sorted({1, tp + 1, 17})]

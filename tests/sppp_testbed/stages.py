@@ -24,6 +24,7 @@ from tests.sppp_testbed.tiny_k3 import (
     VOCAB,
     build_model,
     k3,
+    k3_sp,
     scenario_config,
     stand_ins,
 )
@@ -57,6 +58,8 @@ class Scenario:
     # The seed's serving flags (PRODUCTION_FLAGS), and a forward context whose
     # is_padding marks the batch's last quarter as runner padding.
     production_flags: bool = False
+    # Overrides PACKED_GATHER_MAX_BYTES, to put a tiny step above the limit.
+    packed_gather_max_bytes: int | None = None
 
     def __str__(self) -> str:
         options = [f"N={self.num_tokens}", "SP" if self.sp else "no SP"]
@@ -70,6 +73,8 @@ class Scenario:
             options.append(f"runner={self.runner}")
         if self.production_flags:
             options.append("production flags")
+        if self.packed_gather_max_bytes is not None:
+            options.append(f"packed gather <= {self.packed_gather_max_bytes} B")
         return ", ".join(options)
 
 
@@ -132,7 +137,9 @@ def forward_context(
 def gather_by_shape(model: torch.nn.Module) -> None:
     """A gather skipped because a row count, not the SP flag, decided."""
     gather = k3.sp_all_gather
-    k3.sp_all_gather = lambda x: x if x.shape[0] == 1 else gather(x)
+    k3.sp_all_gather = k3_sp.sp_all_gather = (
+        lambda x: x if x.shape[0] == 1 else gather(x)
+    )
 
 
 def shift_aux_slots(model: torch.nn.Module) -> None:
@@ -229,6 +236,8 @@ def run_step(scenario: Scenario) -> StageResult:
         ledger.watching(tp_group, pp_group),
     ):
         model = build_model(config, scenario.seed)
+        if scenario.packed_gather_max_bytes is not None:
+            k3_sp.PACKED_GATHER_MAX_BYTES = scenario.packed_gather_max_bytes
         if scenario.aux_layers:
             model._set_aux_hidden_state_layers(scenario.aux_layers)
         if scenario.fault in FAULTS:

@@ -48,6 +48,7 @@ from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.models.kimi_k3.nvidia import model as k3
+from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
 DTYPE = torch.float64
@@ -218,9 +219,14 @@ def scenario_config(
 
 @contextlib.contextmanager
 def stand_ins() -> Iterator[None]:
-    """Swap the GPU-only classes in, and restore the module afterwards
-    (including ``sp_all_gather``, which fault injections may replace)."""
+    """Swap the GPU-only classes in, and restore the modules afterwards
+    (including ``sp_all_gather`` and the packed-gather limit, which fault
+    injections and scenarios may replace)."""
     saved = {name: getattr(k3, name) for name in (*STAND_INS, "sp_all_gather")}
+    saved_sp = {
+        name: getattr(k3_sp, name)
+        for name in ("sp_all_gather", "PACKED_GATHER_MAX_BYTES")
+    }
     saved_stream = torch.cuda.Stream
     try:
         for name, cls in STAND_INS.items():
@@ -230,6 +236,8 @@ def stand_ins() -> Iterator[None]:
     finally:
         for name, cls in saved.items():
             setattr(k3, name, cls)
+        for name, value in saved_sp.items():
+            setattr(k3_sp, name, value)
         torch.cuda.Stream = saved_stream
 
 

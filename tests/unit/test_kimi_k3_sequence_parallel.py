@@ -27,6 +27,7 @@ from tests.sppp_testbed.tiny_k3 import (
 from vllm.distributed import parallel_state
 from vllm.distributed import pp_sequence_parallel as pp_sp
 from vllm.models.kimi_k3.nvidia import model as k3
+from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
 from vllm.sequence import IntermediateTensors
 
 TP_SIZE = 2
@@ -71,6 +72,7 @@ def collectives(monkeypatch) -> FakeSPCollectives:
     fake = FakeSPCollectives()
     monkeypatch.setattr(k3, "sp_shard", fake.shard)
     monkeypatch.setattr(k3, "sp_all_gather", fake.all_gather)
+    monkeypatch.setattr(k3_sp, "sp_all_gather", fake.all_gather)  # the end gather
     monkeypatch.setattr(k3, "sp_reduce_scatter", fake.reduce_scatter)
     monkeypatch.setattr(pp_sp, "get_tensor_model_parallel_world_size", lambda: TP_SIZE)
     return fake

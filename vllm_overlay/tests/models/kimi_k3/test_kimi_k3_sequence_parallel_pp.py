@@ -106,6 +106,50 @@ def test_micro_batches_with_sp_across_stages_are_refused_naming_the_flags(pp):
     assert k3_sp.use_kimi_k3_sequence_parallel(config) is False
 
 
+# -- the end-of-model gather ----------------------------------------------
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 17])
+@pytest.mark.parametrize("num_aux", [0, 1, 3])
+def test_end_gather_packs_below_the_limit_and_gathers_each_state_above(
+    num_tokens, num_aux, monkeypatch
+):
+    """Two TP ranks: this rank's shard of every state, then the other's.
+    Packed or not, each state comes back whole and trimmed to N."""
+    tp, hidden = 2, 4
+    rows = -(-num_tokens // tp)
+    generator = torch.Generator().manual_seed(num_tokens)
+    full = [
+        torch.randn(rows * tp, hidden, generator=generator) for _ in range(1 + num_aux)
+    ]
+    gathered: list[tuple[int, ...]] = []
+
+    def all_gather(shard: torch.Tensor) -> torch.Tensor:
+        """The other rank holds the other rows of the same states."""
+        gathered.append(tuple(shard.shape))
+        other = [
+            next(s[rows:] for s in full if torch.equal(s[:rows], chunk))
+            for chunk in shard.split(hidden, dim=-1)
+        ]
+        return torch.cat([shard, torch.cat(other, dim=-1)])
+
+    monkeypatch.setattr(k3_sp, "sp_all_gather", all_gather)
+    shard_bytes = (1 + num_aux) * rows * hidden * 4
+    for limit, want in [
+        (shard_bytes, [(rows, hidden * (1 + num_aux))]),
+        (shard_bytes - 1, [(rows, hidden)] * (1 + num_aux)),
+    ]:
+        monkeypatch.setattr(k3_sp, "PACKED_GATHER_MAX_BYTES", limit)
+        gathered.clear()
+        states = k3_sp.sp_all_gather_hidden_states(
+            [state[:rows] for state in full], num_tokens
+        )
+        assert gathered == ([(rows, hidden)] if num_aux == 0 else want)
+        assert len(states) == 1 + num_aux
+        for got, state in zip(states, full, strict=True):
+            torch.testing.assert_close(got, state[:num_tokens], rtol=0, atol=0)
+
+
 # -- transport overrides -------------------------------------------------
 
 

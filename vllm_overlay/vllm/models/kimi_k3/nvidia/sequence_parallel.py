@@ -10,14 +10,23 @@ stage, and the last stage gathers once.
 
 from collections.abc import Sequence
 
+import torch
+
 from vllm.config import VllmConfig
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import EagleModelMixin
+from vllm.models.common.ops.sequence_parallel import sp_all_gather
 
 logger = init_logger(__name__)
 
 # Intermediate-tensor keys that hold SP shards, besides the aux-state slots.
 SEQUENCE_PARALLEL_PP_KEYS = ("hidden_states", "residual")
+
+# Largest per-rank shard of final and aux hidden states gathered as one packed
+# all-gather. Packing saves a launch per aux state but copies every state into
+# the packed buffer; on 2 x H200 over NVLink (TP2, bf16) the copy outweighs the
+# launches from about 41 MiB per rank (k3-sppp results/nccl/README.md).
+PACKED_GATHER_MAX_BYTES = 40 * 1024 * 1024
 
 
 def use_kimi_k3_sequence_parallel(vllm_config: VllmConfig) -> bool:
@@ -74,6 +83,22 @@ def sequence_parallel_pp_overrides(num_aux_slots: int) -> dict[str, bool]:
         f"{EagleModelMixin.AUX_HIDDEN_STATE_KEY}{slot}" for slot in range(num_aux_slots)
     )
     return dict.fromkeys((*SEQUENCE_PARALLEL_PP_KEYS, *aux_keys), False)
+
+
+def sp_all_gather_hidden_states(
+    states: list[torch.Tensor], num_tokens: int
+) -> list[torch.Tensor]:
+    """All ``num_tokens`` rows of each SP-sharded state, for the model's end.
+
+    Final and aux hidden states share one all-gather, packed along the
+    hidden dimension, while their shards fit ``PACKED_GATHER_MAX_BYTES``;
+    larger ones are gathered one by one, which is then faster.
+    """
+    shard_bytes = sum(state.numel() * state.element_size() for state in states)
+    if len(states) == 1 or shard_bytes > PACKED_GATHER_MAX_BYTES:
+        return [sp_all_gather(state)[:num_tokens] for state in states]
+    packed = sp_all_gather(torch.cat(states, dim=-1))[:num_tokens]
+    return list(packed.split([state.shape[-1] for state in states], dim=-1))
 
 
 def check_aux_hidden_state_layers(
