@@ -1227,9 +1227,16 @@ def restore(target: Target, journal: dict, plan: Restore) -> int:
                 target.path(rel).unlink(missing_ok=True)
             for rel in sorted(journal["created_dirs"], key=len, reverse=True):
                 path = target.path(rel)
-                shutil.rmtree(path / "__pycache__", ignore_errors=True)
-                with contextlib.suppress(OSError):  # gone already, or holds user files
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.rmtree(path / "__pycache__")
+                try:
                     path.rmdir()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    if e.errno != errno.ENOTEMPTY:
+                        raise
+                    warn(f"{path}: holds files k3-sppp did not write; left in place")
             target.clear_bytecode(
                 [e["path"] for e in journal["files"] + journal["overlay"]]
             )
@@ -1594,7 +1601,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def make_repo(path: Path) -> None:
-    git(["init", "-q"], path)
+    git(["init", "-q", "--template="], path)  # no sample hooks to copy
 
 
 def commit_all(repo: Path, message: str) -> None:

@@ -77,12 +77,34 @@ def target(pristine_cache: Path, tmp_path: Path) -> Path:
     return path
 
 
+SMALL_TREE = (
+    "vllm/__init__.py",
+    "vllm/_version.py",
+    "vllm/logger.py",
+    "vllm/version.py",
+)
+
+
 @pytest.fixture
-def patch_set(target: Path, tmp_path: Path) -> Path:
+def small_target(pristine_cache: Path, tmp_path: Path) -> Path:
+    """Only the files the tests' patch set reads, for runs repeated by the
+    hundred: the package's ``__init__``, version and the two patched modules,
+    with the wheel's dist-info."""
+    path = tmp_path / "small" / "site-packages"
+    for rel in SMALL_TREE:
+        (path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(pristine_cache / rel, path / rel)
+    for info in pristine_cache.glob("vllm-*.dist-info"):
+        shutil.copytree(info, path / info.name)
+    return path
+
+
+@pytest.fixture
+def patch_set(pristine_cache: Path, tmp_path: Path) -> Path:
     """The tests' own series, with its manifest generated from RECORD."""
     path = tmp_path / "patchset"
     shutil.copytree(DATA / "patchset", path)
-    proc = run_tool(path, "manifest", "--target", str(target))
+    proc = run_tool(path, "manifest", "--target", str(pristine_cache))
     assert proc.returncode == 0, proc.stderr
     return path
 
@@ -116,5 +138,20 @@ def tool(
 
     def run(command: str, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
         return run_tool(patch_set, command, "--target", str(target), *args, **kwargs)
+
+    return run
+
+
+@pytest.fixture
+def small_tool(
+    patch_set: Path,
+    small_target: Path,
+) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``tool`` on ``small_target``."""
+
+    def run(command: str, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+        return run_tool(
+            patch_set, command, "--target", str(small_target), *args, **kwargs
+        )
 
     return run
