@@ -85,18 +85,21 @@ SMALL_TREE = (
 )
 
 
+def copy_small(pristine: Path, dest: Path) -> Path:
+    """Copy only what the tests' patch set reads: the package's ``__init__``,
+    its version, the two patched modules and the wheel's dist-info."""
+    for rel in SMALL_TREE:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(pristine / rel, dest / rel)
+    for info in pristine.glob("vllm-*.dist-info"):
+        shutil.copytree(info, dest / info.name)
+    return dest
+
+
 @pytest.fixture
 def small_target(pristine_cache: Path, tmp_path: Path) -> Path:
-    """Only the files the tests' patch set reads, for runs repeated by the
-    hundred: the package's ``__init__``, version and the two patched modules,
-    with the wheel's dist-info."""
-    path = tmp_path / "small" / "site-packages"
-    for rel in SMALL_TREE:
-        (path / rel).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(pristine_cache / rel, path / rel)
-    for info in pristine_cache.glob("vllm-*.dist-info"):
-        shutil.copytree(info, path / info.name)
-    return path
+    """A small pristine target, for runs repeated by the hundred."""
+    return copy_small(pristine_cache, tmp_path / "small" / "site-packages")
 
 
 @pytest.fixture
