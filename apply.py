@@ -5,12 +5,14 @@ A *target* is a directory that contains the ``vllm/`` package: a
 ``site-packages`` directory (the default is this project's ``.venv``), a vLLM
 git checkout root, or a virtual environment (its ``site-packages`` is used).
 
-Every write goes through one transaction: the series and the overlay files are
-applied to a staged copy first, every result is hashed and byte-compiled, and
-only then are files swapped in with ``os.replace`` under a lock, with a journal
-in ``<target>/.k3_sppp/`` that lets ``apply`` or ``revert`` undo an
-interrupted run.  Each file is therefore either byte-identical to vLLM
-0.33.0 or byte-identical to the patched result; ``status`` verifies which.
+Every write goes through one transaction, for ``apply`` and ``revert``
+alike: everything is checked and staged first (for apply: the series applied
+to copies, every result hashed and compiled by the target's Python), then a
+journal in ``<target>/.k3_sppp/`` records the run before files are swapped in
+with ``os.replace`` under a lock.  Each file is therefore either
+byte-identical to vLLM 0.33.0 or byte-identical to the patched result, and the
+next ``apply`` or ``revert`` finishes a run that was stopped; ``status``
+verifies which state a tree is in.
 
 Exit codes:
     0    success (``status``: applied, this revision, no drift)
