@@ -1190,6 +1190,7 @@ def keep_edit(target: Target, rel: str, digest: str) -> None:
                     os.fsync(f.fileno())
             except FileExistsError:
                 continue
+            target.adopt(candidate, like=path)
         say(f"kept your edited {rel} as {candidate}")
         return
     raise ApplyError(f"{path}: {len(names)} saved edits already; move them away")
