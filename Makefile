@@ -37,7 +37,7 @@ PYTHON ?= $(call pin,python)
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.k3-sppp-setup
-TARGET := $(if $(VLLM),--target $(VLLM))
+TARGET := $(if $(VLLM),--target "$(VLLM)")
 APPLY := python3 apply.py
 PYTEST_ARGS ?=
 

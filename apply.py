@@ -5,24 +5,37 @@ A *target* is a directory that contains the ``vllm/`` package: a
 ``site-packages`` directory (the default is this project's ``.venv``), a vLLM
 git checkout root, or a virtual environment (its ``site-packages`` is used).
 
-Every write goes through one transaction: the series and the overlay files are
-applied to a staged copy first, every result is hashed and byte-compiled, and
-only then are files swapped in with ``os.replace`` under a lock, with a journal
-in ``<target>/.k3_sppp/`` that lets ``apply`` or ``revert`` undo an
-interrupted run.  Each file is therefore either byte-identical to vLLM
-0.33.0 or byte-identical to the patched result; ``status`` verifies which.
+Every write goes through one transaction, for ``apply`` and ``revert``
+alike: everything is checked and staged first (for apply: the series applied
+to copies, every result hashed and compiled by the target's Python), then a
+journal in ``<target>/.k3_sppp/`` records the run before files are swapped in
+with ``os.replace`` under a lock.  Each file is therefore either
+byte-identical to vLLM 0.33.0 or byte-identical to the patched result, and the
+next ``apply`` or ``revert`` finishes a run that was stopped; ``status``
+verifies which state a tree is in.
 
 Exit codes:
-    0  success (``status``: applied, this revision, no drift)
-    1  error; the target was left exactly as it was
-    2  usage error
-    3  ``status``: not applied
-    4  base files differ from the pin, or patched files changed since apply
-    5  ``status``: an interrupted apply or revert; run ``apply`` or ``revert``
-    6  ``status``: applied from a different revision of the patch set
+    0    success (``status``: applied, this revision, no drift)
+    1    error; no file of the target was changed
+    2    usage error
+    3    ``status``: not applied
+    4    base files differ from the pin, or patched files changed since apply
+    5    ``status``: an interrupted apply or revert, or its leftovers;
+         ``apply``/``revert``: stopped part-way, the journal records where.
+         ``apply`` or ``revert`` finishes it
+    6    ``status``: applied from a different revision of the patch set
+    130  interrupted (Ctrl-C); ``status`` says where it stopped
 """
 
 from __future__ import annotations
+
+import sys
+
+if sys.version_info < (3, 9):  # noqa: UP036 -- refuse before anything is written
+    sys.exit(
+        f"apply.py needs Python 3.9 or newer; {sys.executable} is "
+        f"{sys.version.split()[0]}. Run it with a newer python3."
+    )
 
 import argparse
 import base64
@@ -38,11 +51,11 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 PROJECT_DIR = Path(__file__).resolve().parent
 
@@ -52,10 +65,15 @@ EXIT_NOT_APPLIED = 3
 EXIT_DRIFT = 4
 EXIT_INTERRUPTED = 5
 EXIT_OTHER_REVISION = 6
+EXIT_CTRL_C = 130
 
 STATE_DIR = ".k3_sppp"
 JOURNAL = "journal.json"
 JOURNAL_FORMAT = 1
+JOURNAL_STATES = ("applying", "applied", "reverting")
+TMP_SUFFIX = ".k3-sppp-tmp"
+DRIFT_SUFFIX = ".k3-sppp-drift"
+STATUS_LOCK_WAIT_S = 30.0
 MANIFEST = "base.sha256"
 REQUIRED_HEADERS = ("Description", "Drop-When", "Last-Update")
 FORWARDED_HEADERS = ("Forwarded", "Upstream-Status")
@@ -68,10 +86,19 @@ GIT_IDENTITY = (
     "commit.gpgsign=false",
 )
 DEVTREE_BASE_TAG = "k3-sppp-base"
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Linux ioctl for inode flags (lsattr); immutable and append-only files
+# refuse os.replace and unlink even for root.
+_FS_IOC_GETFLAGS = 0x80086601
+_FS_NO_REPLACE_FL = 0x10 | 0x20
 
 
 class ApplyError(Exception):
-    """A failure reported to the user as one message; nothing was written."""
+    """A failure reported to the user as one message.
+
+    ``code`` says what was left: 1 (nothing changed), 4 (refused, drift) or
+    5 (stopped part-way; the journal records where).
+    """
 
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
         super().__init__(message)
@@ -80,6 +107,10 @@ class ApplyError(Exception):
 
 def say(message: str) -> None:
     print(message, flush=True)
+
+
+def warn(message: str) -> None:
+    print(f"apply.py: warning: {message}", file=sys.stderr, flush=True)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -99,7 +130,9 @@ def file_hash_or_none(path: Path) -> str | None:
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    # timezone.utc, not datetime.UTC: the tool runs on Python 3.9 and 3.10.
+    now = datetime.datetime.now(datetime.timezone.utc)  # noqa: UP017
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def fsync_dir(path: Path) -> None:
@@ -111,8 +144,13 @@ def fsync_dir(path: Path) -> None:
 
 
 def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Write ``path`` through a temporary file and ``os.replace``."""
-    tmp = path.with_name(f".{path.name}.k3-sppp-tmp")
+    """Write ``path`` through a temporary file and ``os.replace``.
+
+    Only used inside the state directory and the patch set, never inside a
+    target's package: an interrupted write there leaves a named temp file
+    that the next run removes.
+    """
+    tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
     with open(tmp, "wb") as f:
         f.write(data)
         f.flush()
@@ -126,6 +164,34 @@ def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
 def copy_atomic(src: Path, dst: Path) -> None:
     """Replace ``dst`` with a copy of ``src`` (content and mode) atomically."""
     write_atomic(dst, src.read_bytes(), mode=src.stat().st_mode & 0o7777)
+
+
+def is_immutable(path: Path) -> bool:
+    """True for files with the immutable or append-only attribute (chattr)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        flags = fcntl.ioctl(fd, _FS_IOC_GETFLAGS, b"\0" * 8)
+    except OSError:  # no such attributes on this file system
+        return False
+    finally:
+        os.close(fd)
+    return bool(int.from_bytes(flags[:4], sys.byteorder) & _FS_NO_REPLACE_FL)
+
+
+def is_safe_rel(rel: object) -> bool:
+    """A relative path inside ``vllm/``: what a journal may name."""
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        return False
+    parts = PurePosixPath(rel).parts
+    return (
+        not PurePosixPath(rel).is_absolute()
+        and parts[0] == "vllm"
+        and ".." not in parts
+        and "." not in parts
+    )
 
 
 # --------------------------------------------------------------------------
@@ -183,9 +249,23 @@ _HUNK = re.compile(r"^@@ -(\d+)(?:,\d+)? \+\d+(?:,\d+)? @@")
 _HEADER = re.compile(r"^([A-Z][A-Za-z-]*):\s?(.*)$")
 
 
+def read_text(path: Path) -> str:
+    """A patch-set file as UTF-8 text, or an error naming the first bad byte."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[: e.start].count(b"\n") + 1
+        raise ApplyError(
+            f"{path}:{line}: byte {data[e.start]:#04x} at offset {e.start} is not "
+            "UTF-8; patches and the series are UTF-8 text (re-export the patch "
+            "with `git format-patch`, or fix the encoding)"
+        ) from e
+
+
 def parse_patch(path: Path) -> Patch:
     """Read a format-patch file: its DEP-3 headers, files and hunks."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text(path)
     head, sep, _ = text.partition("\ndiff --git ")
     body = "diff --git " + text.split("\ndiff --git ", 1)[1] if sep else ""
     headers: dict[str, str] = {}
@@ -219,13 +299,21 @@ def parse_patch(path: Path) -> Patch:
 
 
 def read_manifest(path: Path) -> dict[str, str]:
+    """``sha256sum`` lines: a SHA-256 in hex, space, mode mark and path."""
     manifest: dict[str, str] = {}
     if not path.is_file():
         return manifest
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if line.strip() and not line.startswith("#"):
-            digest, rel = line.split(maxsplit=1)
-            manifest[rel.lstrip("*")] = digest
+    for number, line in enumerate(read_text(path).splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        digest, _, rel = line.partition(" ")
+        rel = rel.lstrip(" *")
+        if not _HEX64.match(digest) or not rel:
+            raise ApplyError(
+                f"{path}:{number}: not a `SHA-256  path` line: {line[:80]!r}; "
+                "regenerate the file with `python apply.py manifest`"
+            )
+        manifest[rel] = digest
     return manifest
 
 
@@ -240,8 +328,7 @@ def load_patch_set(root: Path) -> PatchSet:
             "patches/series (empty when there are no patches)"
         )
     names = [
-        line.split("#", 1)[0].strip()
-        for line in series_file.read_text(encoding="utf-8").splitlines()
+        line.split("#", 1)[0].strip() for line in read_text(series_file).splitlines()
     ]
     names = [n for n in names if n]
     patches = []
@@ -260,7 +347,12 @@ def load_patch_set(root: Path) -> PatchSet:
             missing.append("Forwarded (or Upstream-Status)")
         if missing:
             problems.append(f"{path}: DEP-3 header lacks " + ", ".join(missing))
-        if not patch.files:
+        if "\r\ndiff --git " in read_text(path):
+            problems.append(
+                f"{path}: has CRLF (Windows) line endings; convert the patch "
+                "to LF line endings (`dos2unix`, or `git format-patch` again)"
+            )
+        elif not patch.files:
             problems.append(f"{path}: holds no 'diff --git' section")
         patches.append(patch)
     for path in sorted(patch_dir.glob("*.patch")):
@@ -343,6 +435,10 @@ class Target:
     def journal_path(self) -> Path:
         return self.state_dir / JOURNAL
 
+    @property
+    def lock_path(self) -> Path:
+        return self.state_dir / "lock"
+
     def path(self, rel: str) -> Path:
         return self.root / rel
 
@@ -352,16 +448,53 @@ class Target:
         if version_file.is_file():
             match = re.search(
                 r"^__version__\s*=[^'\"\n]*['\"]([^'\"]+)['\"]",
-                version_file.read_text(encoding="utf-8"),
+                version_file.read_text(encoding="utf-8", errors="replace"),
                 re.MULTILINE,
             )
             if match:
                 return match.group(1)
         for metadata in self.root.glob("vllm-*.dist-info/METADATA"):
-            for line in metadata.read_text(encoding="utf-8").splitlines():
+            text = metadata.read_text(encoding="utf-8", errors="replace")
+            for line in text.splitlines():
                 if line.startswith("Version:"):
                     return line.split(":", 1)[1].strip()
         return None
+
+    def interpreter(self) -> Path | None:
+        """The Python that imports this vLLM: a venv's, or the prefix's own.
+
+        A site-packages directory ``PREFIX/lib/pythonX.Y/site-packages`` is
+        run by ``PREFIX/bin/pythonX.Y``; a checkout root names none.
+        """
+        root = self.root
+        if root.name != "site-packages" or not root.parent.name.startswith("python"):
+            return None
+        prefix = root.parent.parent.parent
+        for name in (root.parent.name, "python3", "python"):
+            candidate = prefix / "bin" / name
+            if os.access(candidate, os.X_OK):
+                return candidate
+        return None
+
+    def owner(self) -> tuple[int, int]:
+        stat = self.root.stat()
+        return stat.st_uid, stat.st_gid
+
+    def adopt(self, path: Path, like: Path | None = None) -> None:
+        """Give a file we created the owner of ``like`` (default: the target).
+
+        Only root changes owners: a root run on a user's tree must leave
+        nothing the user cannot replace or remove.
+        """
+        if os.geteuid() != 0:
+            return
+        stat = (like or self.root).stat()
+        if (stat.st_uid, stat.st_gid) != (0, 0):
+            os.chown(path, stat.st_uid, stat.st_gid, follow_symlinks=False)
+
+    def mkdir(self, path: Path, like: Path | None = None) -> None:
+        path.mkdir()
+        self.adopt(path, like)
 
     def record_hashes(self) -> dict[str, str]:
         """SHA-256 (hex) of every file as shipped, from the wheel's RECORD."""
@@ -384,17 +517,28 @@ class Target:
         if not self.journal_path.is_file():
             return None
         try:
-            journal = json.loads(self.journal_path.read_text(encoding="utf-8"))
+            journal = json.loads(self.journal_path.read_bytes().decode("utf-8"))
         except ValueError as e:
             raise ApplyError(
-                f"{self.journal_path}: unreadable journal ({e}); inspect it by hand"
+                f"{self.journal_path}: not JSON ({e}); this file is not a journal "
+                "k3-sppp wrote. Move it away and reinstall vLLM (or restore "
+                "the journal from a backup)"
             ) from e
-        if journal.get("format") != JOURNAL_FORMAT:
+        if isinstance(journal, dict) and journal.get("format") not in (
+            None,
+            JOURNAL_FORMAT,
+        ):
             raise ApplyError(
                 f"{self.journal_path}: journal format "
                 f"{journal.get('format')!r} is not "
                 f"{JOURNAL_FORMAT}; use the k3-sppp checkout "
                 "that applied it"
+            )
+        if problem := journal_problem(journal):
+            raise ApplyError(
+                f"{self.journal_path}: {problem}; this is not a journal k3-sppp "
+                "wrote, so nothing is undone from it. Move it away and "
+                "reinstall vLLM (or restore the journal from a backup)"
             )
         return journal
 
@@ -403,16 +547,117 @@ class Target:
             self.journal_path,
             (json.dumps(journal, indent=2, sort_keys=True) + "\n").encode(),
         )
+        self.adopt(self.journal_path)
 
     def clear_bytecode(self, rels: list[str]) -> None:
-        """Drop cached bytecode of the given modules (stale after a swap)."""
+        """Drop cached bytecode of the given modules, as far as we may.
+
+        Python also checks a ``.pyc`` against its source's size and mtime, so
+        one we cannot remove is a warning, not a failure.
+        """
         for rel in rels:
             path = self.path(rel)
             if path.suffix != ".py":
                 continue
             cache = path.parent / "__pycache__"
             for pyc in cache.glob(f"{path.stem}.*.pyc"):
-                pyc.unlink()
+                try:
+                    pyc.unlink()
+                except OSError as e:
+                    warn(f"{pyc}: stale bytecode not removed ({e.strerror})")
+
+    def leftovers(self, journal: dict | None) -> tuple[list[Path], list[Path]]:
+        """Files in the state directory that no run needs: ours, and others.
+
+        Ours are what this tool names: ``stage-*`` directories, temp files,
+        backups (named by their own SHA-256) that the journal does not list,
+        and an unheld lock without a journal.
+        """
+        if not self.state_dir.is_dir():
+            return [], []
+        needed = {JOURNAL, "lock"} if journal is not None else {"lock"}
+        backups = {
+            e["backup"].split("/", 1)[1] for e in (journal or {}).get("files", [])
+        }
+        ours: list[Path] = []
+        others: list[Path] = []
+        for path in sorted(self.state_dir.iterdir()):
+            name = path.name
+            if name in needed:
+                continue
+            if path.is_dir() and not path.is_symlink() and name == "backups":
+                for backup in sorted(path.iterdir()):
+                    if backup.name in backups:
+                        continue
+                    mine = _HEX64.match(backup.name) or (
+                        backup.name.startswith(".") and backup.name.endswith(TMP_SUFFIX)
+                    )
+                    (ours if mine and backup.is_file() else others).append(backup)
+            elif (
+                name.startswith("stage-") and path.is_dir() and not path.is_symlink()
+            ) or (name == f".{JOURNAL}{TMP_SUFFIX}" and path.is_file()):
+                ours.append(path)
+            else:
+                others.append(path)
+        return ours, others
+
+    def remove_leftovers(self, journal: dict | None) -> None:
+        ours, _ = self.leftovers(journal)
+        if ours:
+            say(
+                f"removing {len(ours)} leftover(s) of a stopped run "
+                f"from {self.state_dir}"
+            )
+        for path in ours:
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        backups = self.state_dir / "backups"
+        if journal is None and backups.is_dir() and not any(backups.iterdir()):
+            backups.rmdir()
+
+
+def journal_problem(journal: object) -> str | None:
+    """What makes ``journal`` something this tool did not write, or None.
+
+    A journal names files to overwrite and delete, so it is checked before
+    it is believed: every path inside ``vllm/``, every hash a SHA-256.
+    """
+    if not isinstance(journal, dict):
+        return "not a JSON object"
+    if journal.get("format") != JOURNAL_FORMAT:
+        return "no journal format"
+    if journal.get("state") not in JOURNAL_STATES:
+        return f"unknown state {journal.get('state')!r}"
+    for key in ("started", "revision", "vllm_version"):
+        if not isinstance(journal.get(key), str):
+            return f"no {key!r}"
+    lists = {k: journal.get(k) for k in ("files", "overlay", "created_dirs")}
+    if not all(isinstance(v, list) for v in lists.values()):
+        return "no list of files, overlay files and created directories"
+    for entry in lists["files"] + lists["overlay"]:
+        if not isinstance(entry, dict) or not is_safe_rel(entry.get("path")):
+            return f"a file entry outside vllm/: {entry!r:.80}"
+        hashes = [entry.get("result")]
+        if entry in lists["files"]:
+            hashes.append(entry.get("base"))
+            if entry.get("backup") != f"backups/{entry.get('base')}":
+                return f"{entry['path']}: backup is not named by its hash"
+            link = entry.get("symlink")
+            if link is not None and (not isinstance(link, str) or not link):
+                return f"{entry['path']}: bad symlink"
+        if not all(isinstance(h, str) and _HEX64.match(h) for h in hashes):
+            return f"{entry['path']}: not a SHA-256"
+    if not all(is_safe_rel(d) for d in lists["created_dirs"]):
+        return "a created directory outside vllm/"
+    kept = journal.get("kept", {})
+    if not isinstance(kept, dict) or not all(
+        is_safe_rel(k) and isinstance(v, str) and _HEX64.match(v)
+        for k, v in kept.items()
+    ):
+        return "bad list of kept edits"
+    return None
 
 
 def default_target() -> Path:
@@ -425,18 +670,36 @@ def default_target() -> Path:
     return venv
 
 
+def venv_site_packages(venv: Path) -> Path:
+    """The site-packages of the venv's own Python (pyvenv.cfg ``version``).
+
+    A venv upgraded in place keeps ``lib/python3.9`` beside ``lib/python3.11``;
+    the highest X.Y that holds vllm/ is taken when pyvenv.cfg does not say.
+    """
+    candidates = {
+        tuple(int(n) for n in m.group(1, 2)): p
+        for p in venv.glob("lib/python*/site-packages")
+        if (m := re.fullmatch(r"python(\d+)\.(\d+)", p.parent.name))
+    }
+    if not candidates:
+        raise ApplyError(
+            f"{venv}: a virtual environment without lib/pythonX.Y/site-packages"
+        )
+    config = (venv / "pyvenv.cfg").read_text(encoding="utf-8", errors="replace")
+    match = re.search(r"^version(?:_info)?\s*=\s*(\d+)\.(\d+)", config, re.MULTILINE)
+    if match and (own := candidates.get((int(match[1]), int(match[2])))):
+        return own
+    with_vllm = [v for v in sorted(candidates) if (candidates[v] / "vllm").is_dir()]
+    return candidates[with_vllm[-1] if with_vllm else max(candidates)]
+
+
 def resolve_target(path: Path | None) -> Target:
     """Find the directory that holds ``vllm/`` for a user-given path."""
     path = (path or default_target()).resolve()
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
         raise ApplyError(f"{path}: not readable by this user")
     if (path / "pyvenv.cfg").is_file():
-        candidates = sorted(path.glob("lib/python*/site-packages"))
-        if not candidates:
-            raise ApplyError(
-                f"{path}: a virtual environment without lib/python*/site-packages"
-            )
-        path = candidates[-1]
+        path = venv_site_packages(path)
     if path.name == "vllm" and (path / "__init__.py").is_file():
         path = path.parent
     if not (path / "vllm" / "__init__.py").is_file():
@@ -447,47 +710,112 @@ def resolve_target(path: Path | None) -> Target:
     return Target(path)
 
 
+def lock_holder(fd: int) -> str:
+    return os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+
+
+def take_lock(target: Target) -> int:
+    """Create the state directory and take its lock; return the lock's fd."""
+    while True:
+        with contextlib.suppress(FileExistsError):
+            target.mkdir(target.state_dir)
+        try:
+            fd = os.open(target.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            continue  # the holder before us removed the directory; again
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            holder = lock_holder(fd)
+            os.close(fd)
+            if e.errno not in (errno.EAGAIN, errno.EACCES):
+                raise
+            raise ApplyError(
+                f"{target.lock_path}: another k3-sppp run holds this target "
+                f"(pid {holder}); wait for it to finish"
+            ) from e
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(target.lock_path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        os.close(fd)  # the holder before us removed that file; lock anew
+
+
 @contextlib.contextmanager
 def locked(target: Target) -> Iterator[None]:
-    """Hold the target's lock; leave no lock file or empty state behind."""
+    """Hold the target's lock; leave no lock file or empty state behind.
+
+    Leftovers of a killed run (stage directories, temp files, unlisted
+    backups) are removed first: with the lock held, no other run owns them.
+    """
     if not os.access(target.root, os.W_OK):
         raise ApplyError(
             f"{target.root}: not writable by this user; run as "
             "the owner of the vLLM install"
         )
-    target.state_dir.mkdir(exist_ok=True)
-    lock_path = target.state_dir / "lock"
-    while True:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-            os.close(fd)
-            if e.errno not in (errno.EAGAIN, errno.EACCES):
-                raise
-            raise ApplyError(
-                f"{lock_path}: another k3-sppp run holds this target "
-                f"(pid {holder or '?'}); wait for it to finish"
-            ) from e
-        with contextlib.suppress(FileNotFoundError):
-            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
-                break
-        os.close(fd)  # the holder before us removed that file; lock anew
     try:
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        for stale in target.state_dir.glob("stage-*"):
-            shutil.rmtree(stale)  # left by a run that was killed
+        fd = take_lock(target)
+    except BaseException:
+        with contextlib.suppress(OSError):  # empty unless another run is in it
+            target.state_dir.rmdir()
+        raise
+    try:
+        target.adopt(target.lock_path)
+        os.pwrite(fd, f"{os.getpid()}\n".encode().ljust(12), 0)
+        target.remove_leftovers(target.read_journal())
         yield
     finally:
-        lock_path.unlink()
-        if not any(target.state_dir.iterdir()):
-            target.state_dir.rmdir()
-        os.close(fd)
+        try:
+            target.lock_path.unlink()
+            with contextlib.suppress(OSError):  # holds a journal or others' files
+                target.state_dir.rmdir()
+        except OSError as e:
+            warn(
+                f"{target.lock_path}: not removed ({e.strerror}); "
+                "`status` reports it and the next run removes it"
+            )
+        finally:
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def reading(target: Target) -> Iterator[bool]:
+    """Wait until no run holds the target, and keep runs out while reading.
+
+    Takes a shared lock on an existing lock file and writes nothing, so a
+    user who may only read the install can ask for ``status``.  Yields
+    whether a lock file was there (a run that was killed leaves one).
+    """
+    deadline = time.monotonic() + STATUS_LOCK_WAIT_S
+    while True:
+        try:
+            fd = os.open(target.lock_path, os.O_RDONLY)
+        except FileNotFoundError:
+            yield False
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+                if time.monotonic() > deadline:
+                    raise ApplyError(
+                        f"{target.lock_path}: another k3-sppp run (pid "
+                        f"{lock_holder(fd)}) has held this target for "
+                        f"{STATUS_LOCK_WAIT_S:.0f} s; ask again when it is done"
+                    ) from e
+                time.sleep(0.05)
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                if os.stat(target.lock_path).st_ino == os.fstat(fd).st_ino:
+                    yield True
+                    return
+        finally:
+            os.close(fd)
 
 
 # --------------------------------------------------------------------------
-# git apply, outside any repository
+# git apply, in a repository of its own
 # --------------------------------------------------------------------------
 
 
@@ -496,13 +824,13 @@ def git(
     cwd: Path,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """Run git with repository discovery stopped at ``cwd``'s parent."""
-    env = dict(
-        os.environ,
-        GIT_CEILING_DIRECTORIES=str(cwd.parent),
-        LC_ALL="C",
-        GIT_CONFIG_NOSYSTEM="1",
-    )
+    """Run git in ``cwd``, which is always the top of a repository of ours.
+
+    Each stage is a repository of its own (``make_repo``), so git never finds
+    a repository around the target.  ``GIT_CEILING_DIRECTORIES`` cannot do
+    that for every path: it splits on ``:``.
+    """
+    env = dict(os.environ, LC_ALL="C", GIT_CONFIG_NOSYSTEM="1")
     for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
         env.pop(var, None)
     try:
@@ -597,18 +925,62 @@ def stage_patch_set(
     return failures
 
 
-def byte_compile(stage: Path, rels: list[str]) -> None:
-    for rel in rels:
-        if not rel.endswith(".py"):
-            continue
-        try:
-            compile((stage / rel).read_bytes(), rel, "exec", dont_inherit=True)
-        except SyntaxError as e:
-            raise ApplyError(
-                f"{rel}:{e.lineno}: the patched file does not "
-                f"compile ({e.msg}); fix the patch or overlay "
-                "file that changes it"
-            ) from e
+_COMPILE = """
+import sys
+for path in sys.argv[1:]:
+    try:
+        with open(path, "rb") as f:
+            compile(f.read(), path, "exec", dont_inherit=True)
+    except SyntaxError as e:
+        print(f"{e.lineno}\\0{e.msg}\\0{path}")
+        sys.exit(1)
+"""
+
+
+def byte_compile(stage: Path, rels: list[str], python: Path | None) -> None:
+    """Compile every staged module with the target's own interpreter.
+
+    vLLM's sources use the syntax of the Python vLLM runs on, which may be
+    newer or older than the one running this tool.  Without a known
+    interpreter (a checkout root) this tool's own compiles them.
+    """
+    sources = [rel for rel in rels if rel.endswith(".py")]
+    if python is None:
+        for rel in sources:
+            try:
+                compile((stage / rel).read_bytes(), rel, "exec", dont_inherit=True)
+            except SyntaxError as e:
+                raise not_compiling(rel, e.lineno, e.msg) from e
+        return
+    try:
+        proc = subprocess.run(
+            [str(python), "-I", "-S", "-c", _COMPILE, *sources],
+            cwd=stage,
+            capture_output=True,
+            text=True,
+        )
+    except OSError as e:
+        raise ApplyError(
+            f"{python}: cannot run the target's Python to compile the "
+            f"patched files ({e.strerror})"
+        ) from e
+    if proc.returncode == 0:
+        return
+    lineno, _, rest = proc.stdout.strip().partition("\0")
+    msg, _, rel = rest.partition("\0")
+    if not rel:
+        raise ApplyError(
+            f"{python}: failed to compile the patched files:\n"
+            + (proc.stderr or proc.stdout).strip()
+        )
+    raise not_compiling(rel, lineno, f"{msg}, with {python}")
+
+
+def not_compiling(rel: str, lineno: object, msg: str) -> ApplyError:
+    return ApplyError(
+        f"{rel}:{lineno}: the patched file does not compile ({msg}); fix the "
+        "patch or overlay file that changes it"
+    )
 
 
 # --------------------------------------------------------------------------
@@ -669,108 +1041,294 @@ def drifted_files(target: Target, journal: dict) -> list[str]:
     ]
 
 
-def roll_back(target: Target, journal: dict, *, force: bool = False) -> int:
-    """Return every journal file to its base; raise naming unknown content.
+def at_base(target: Target, entry: dict) -> bool:
+    """Whether a patched file is its original again (a symlink as a symlink)."""
+    path = target.path(entry["path"])
+    if entry.get("symlink") is not None and (
+        not path.is_symlink() or os.readlink(path) != entry["symlink"]
+    ):
+        return False
+    return file_hash_or_none(path) == entry["base"]
 
-    Safe to repeat: files already at their base are left alone.
+
+def new_stage(target: Target) -> Path:
+    return Path(tempfile.mkdtemp(prefix="stage-", dir=target.state_dir))
+
+
+def remove_stage(stage: Path) -> None:
+    try:
+        shutil.rmtree(stage)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        warn(f"{stage}: not removed ({e}); the next apply or revert removes it")
+
+
+@dataclass
+class Restore:
+    """What returning a journal's files to vLLM takes, checked before writing."""
+
+    files: list[dict]  # patched files to restore from their backups
+    remove: list[str]  # overlay files to delete
+    kept: dict[str, str]  # edited files to save first: path -> their SHA-256
+
+
+def plan_restore(
+    target: Target, journal: dict, *, force: bool, any_version: bool
+) -> Restore:
+    """Check everything a restore needs, or raise before anything is written.
+
+    Refuses edited files (unless ``force``), a vLLM other than the one the
+    journal was written for (unless ``any_version``), a missing or corrupt
+    backup, and a destination this user cannot replace.
     """
-    unknown = []
+    version = target.version()
+    applied_to = journal["vllm_version"]
+    if (
+        not any_version
+        and version is not None
+        and applied_to not in (version, "unknown")
+    ):
+        raise ApplyError(
+            f"{target.root}: vLLM {version} is installed, but the patch set was "
+            f"applied to vLLM {applied_to}; reverting would write {applied_to} "
+            f"files into {version}. If vLLM {version} was installed over the "
+            f"patched tree, its own files are in place: delete {target.state_dir} "
+            "and the overlay files it lists instead; to put the "
+            f"{applied_to} files back anyway, pass --any-version",
+            code=EXIT_DRIFT,
+        )
+    kept_before = journal.get("kept", {})
+
+    def known(entry: dict, current: str | None) -> bool:
+        return current is not None and current in (
+            entry["result"],
+            kept_before.get(entry["path"]),
+        )
+
+    restore: list[dict] = []
+    remove: list[str] = []
+    unknown: list[str] = []
     for entry in journal["files"]:
-        current = file_hash_or_none(target.path(entry["path"]))
-        if current not in (entry["base"], entry["result"]):
+        if at_base(target, entry):
+            continue
+        if not known(entry, file_hash_or_none(target.path(entry["path"]))):
             unknown.append(entry["path"])
+        restore.append(entry)
     for entry in journal["overlay"]:
         current = file_hash_or_none(target.path(entry["path"]))
-        if current not in (None, entry["result"]):
+        if current is None:
+            continue
+        if not known(entry, current):
             unknown.append(entry["path"])
+        remove.append(entry["path"])
     if unknown and not force:
         raise ApplyError(
             "changed since apply, refusing to overwrite: "
             + ", ".join(unknown)
-            + f" (in {target.root}); save your edits, then "
-            "`python apply.py revert --force` restores the originals",
+            + f" (in {target.root}); `python apply.py revert --force` keeps "
+            f"each edited file as FILE{DRIFT_SUFFIX} (never overwriting an "
+            "earlier one) and restores the originals",
             code=EXIT_DRIFT,
         )
-    for rel in unknown:
-        edited = target.path(rel)
-        if edited.exists():
-            keep = edited.with_name(edited.name + ".k3-sppp-drift")
-            shutil.copy2(edited, keep)
-            say(f"kept your edited {rel} as {keep}")
-    restored = 0
-    for entry in journal["files"]:
-        path = target.path(entry["path"])
-        if file_hash_or_none(path) == entry["base"]:
-            continue
+    kept = {
+        rel: digest
+        for rel in [e["path"] for e in restore] + remove
+        if (digest := file_hash_or_none(target.path(rel))) is not None
+        and (rel in unknown or digest == kept_before.get(rel))
+    }
+    problems = []
+    for entry in restore:
         backup = target.state_dir / entry["backup"]
-        if sha256_file(backup) != entry["base"]:
-            raise ApplyError(
-                f"{backup}: backup of {entry['path']} is corrupt; reinstall vLLM 0.33.0"
+        if file_hash_or_none(backup) != entry["base"]:
+            problems.append(
+                f"{backup}: the backup of {entry['path']} is missing or corrupt"
             )
-        copy_atomic(backup, path)
-        restored += 1
-    for entry in journal["overlay"]:
-        path = target.path(entry["path"])
-        if path.exists():
-            path.unlink()
-            restored += 1
-    for rel in sorted(journal["created_dirs"], key=len, reverse=True):
+    for rel in [e["path"] for e in restore] + remove:
         path = target.path(rel)
-        shutil.rmtree(path / "__pycache__", ignore_errors=True)
-        with contextlib.suppress(OSError):  # gone already, or holds user files
-            path.rmdir()
-    target.clear_bytecode([e["path"] for e in journal["files"] + journal["overlay"]])
-    for entry in journal["files"]:
-        if sha256_file(target.path(entry["path"])) != entry["base"]:
-            raise ApplyError(
-                f"{entry['path']}: still not the original after "
-                "restore; reinstall vLLM 0.33.0"
-            )
-    return restored
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            problems.append(f"{path.parent}: not writable by this user")
+        elif path.exists() and is_immutable(path):
+            problems.append(f"{path}: immutable or append-only (`chattr -i`)")
+    if problems:
+        raise ApplyError(
+            "cannot restore vLLM "
+            + applied_to
+            + ", nothing was changed:\n  "
+            + "\n  ".join(dict.fromkeys(problems))
+            + f"\nfix these and run it again; a lost backup means reinstalling vLLM "
+            f"{applied_to} and deleting {target.state_dir}"
+        )
+    return Restore(restore, remove, kept)
 
 
-def finish_revert(target: Target) -> None:
-    """Drop the journal and backups once every file is back at its base."""
-    target.journal_path.unlink()
-    shutil.rmtree(target.state_dir / "backups", ignore_errors=True)
+def keep_edit(target: Target, rel: str, digest: str) -> None:
+    """Save an edited file next to itself before it is overwritten.
 
-
-def recover_if_interrupted(target: Target, journal: dict | None) -> None:
-    if journal is None or journal["state"] == "applied":
+    The copy is a hard link under the first free name ``FILE.k3-sppp-drift``,
+    ``FILE.k3-sppp-drift.1``, ...: creating a link never replaces a file, so
+    an earlier saved edit is never lost.
+    """
+    path = target.path(rel)
+    if file_hash_or_none(path) != digest:
+        return  # restored already, by the run that saved it
+    stem = path.name + DRIFT_SUFFIX
+    names = [stem] + [f"{stem}.{n}" for n in range(1, 1000)]
+    for name in names:
+        candidate = path.with_name(name)
+        if candidate.is_file() and sha256_file(candidate) == digest:
+            return  # saved by a run that was interrupted after saving it
+        try:
+            os.link(path, candidate)
+        except FileExistsError:
+            continue
+        except OSError:  # no hard links here: copy, still never overwriting
+            try:
+                with open(candidate, "xb") as f:
+                    f.write(path.read_bytes())
+                    f.flush()
+                    os.fsync(f.fileno())
+            except FileExistsError:
+                continue
+            target.adopt(candidate, like=path)
+        say(f"kept your edited {rel} as {candidate}")
         return
-    restored = roll_back(target, journal)
-    finish_revert(target)
-    say(
-        f"recovered from an interrupted {journal['state']} started "
-        f"{journal['started']}: {restored} file(s) restored to vLLM "
-        f"{journal['vllm_version']}"
+    raise ApplyError(f"{path}: {len(names)} saved edits already; move them away")
+
+
+def restore(target: Target, journal: dict, plan: Restore) -> int:
+    """Carry out ``plan``: stage, record "reverting", save edits, swap, clean.
+
+    Once the journal says "reverting", any failure leaves it in place, so the
+    next ``apply`` or ``revert`` finishes the job.
+    """
+    stage = new_stage(target)
+    try:
+        for entry in plan.files:
+            staged = stage / entry["path"]
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            if entry.get("symlink") is not None:
+                os.symlink(entry["symlink"], staged)
+            else:
+                shutil.copy2(target.state_dir / entry["backup"], staged)
+                if sha256_file(staged) != entry["base"]:
+                    raise ApplyError(
+                        f"{staged}: copy of {entry['backup']} differs from it "
+                        "(out of disk space?); nothing was changed"
+                    )
+            path = target.path(entry["path"])
+            target.adopt(staged, like=path if path.exists() else path.parent)
+        journal = dict(journal, state="reverting")
+        journal["kept"] = {**journal.get("kept", {}), **plan.kept}
+        try:
+            target.write_journal(journal)
+            for rel, digest in plan.kept.items():
+                keep_edit(target, rel, digest)
+            for entry in plan.files:
+                os.replace(stage / entry["path"], target.path(entry["path"]))
+            for rel in plan.remove:
+                target.path(rel).unlink(missing_ok=True)
+            for rel in sorted(journal["created_dirs"], key=len, reverse=True):
+                path = target.path(rel)
+                with contextlib.suppress(FileNotFoundError):
+                    shutil.rmtree(path / "__pycache__")
+                try:
+                    path.rmdir()
+                except FileNotFoundError:
+                    pass
+                except OSError as e:
+                    if e.errno != errno.ENOTEMPTY:
+                        raise
+                    warn(f"{path}: holds files k3-sppp did not write; left in place")
+            target.clear_bytecode(
+                [e["path"] for e in journal["files"] + journal["overlay"]]
+            )
+            for entry in journal["files"]:
+                if not at_base(target, entry):
+                    raise ApplyError(f"{entry['path']}: not the original after restore")
+            with contextlib.suppress(FileNotFoundError):
+                shutil.rmtree(target.state_dir / "backups")
+            target.journal_path.unlink()
+        except (OSError, ApplyError) as e:
+            raise stopped("revert", target, e) from e
+    finally:
+        remove_stage(stage)
+    return len(plan.files) + len(plan.remove)
+
+
+def stopped(verb: str, target: Target, cause: Exception) -> ApplyError:
+    return ApplyError(
+        f"{verb} stopped part-way: {cause}; {target.journal_path} records what "
+        "was done. Fix the cause and run `apply` or `revert` again: either "
+        "finishes it (`status` shows the state)",
+        code=EXIT_INTERRUPTED,
     )
 
 
-def swap_in(target: Target, patch_set: PatchSet, stage: Path, journal: dict) -> None:
-    """Move staged results into the target; undo everything on failure."""
-    for entry in journal["files"]:
-        backup = target.state_dir / entry["backup"]
-        if file_hash_or_none(backup) != entry["base"]:
-            copy_atomic(target.path(entry["path"]), backup)
-    target.write_journal(journal)
+def put_back(
+    target: Target, journal: dict, *, force: bool = False, any_version: bool = False
+) -> int:
+    """Return every file of ``journal`` to vLLM and drop the state."""
+    return restore(
+        target,
+        journal,
+        plan_restore(target, journal, force=force, any_version=any_version),
+    )
+
+
+def swap_in(target: Target, stage: Path, journal: dict) -> None:
+    """Move staged results into the target; put everything back on failure.
+
+    The journal ("applying") is written before the first backup, so from then
+    on an interrupted run is finished by the next ``apply`` or ``revert``.
+    """
+    touched = [e["path"] for e in journal["files"] + journal["overlay"]]
     try:
+        target.write_journal(journal)
+        backups = target.state_dir / "backups"
+        with contextlib.suppress(FileExistsError):
+            target.mkdir(backups)
+        for entry in journal["files"]:
+            backup = target.state_dir / entry["backup"]
+            if file_hash_or_none(backup) != entry["base"]:
+                copy_atomic(target.path(entry["path"]), backup)
+                target.adopt(backup)
+            if sha256_file(backup) != entry["base"]:
+                raise ApplyError(f"{backup}: differs from {entry['path']} once written")
         for rel in journal["created_dirs"]:
-            target.path(rel).mkdir()
-        for entry in journal["files"] + journal["overlay"]:
-            os.replace(stage / entry["path"], target.path(entry["path"]))
+            target.mkdir(target.path(rel), like=target.path(rel).parent)
+        for entry in journal["files"]:
+            target.adopt(stage / entry["path"], like=target.path(entry["path"]))
+        for entry in journal["overlay"]:
+            target.adopt(stage / entry["path"], like=target.path(entry["path"]).parent)
+        for rel in touched:
+            os.replace(stage / rel, target.path(rel))
         for entry in journal["files"] + journal["overlay"]:
             if sha256_file(target.path(entry["path"])) != entry["result"]:
                 raise ApplyError(
                     f"{entry['path']}: content after the swap is not the staged result"
                 )
-    except BaseException:
-        roll_back(target, journal, force=True)
-        finish_revert(target)
+        target.clear_bytecode(touched)
+        journal["state"] = "applied"
+        target.write_journal(journal)
+    except BaseException as e:
+        undo_apply(target, journal, e)
         raise
-    target.clear_bytecode([e["path"] for e in journal["files"] + journal["overlay"]])
-    journal["state"] = "applied"
-    target.write_journal(journal)
+
+
+def undo_apply(target: Target, journal: dict, cause: BaseException) -> None:
+    """After a failed swap, put every file back; raise saying what was left."""
+    if target.journal_path.exists():
+        try:
+            put_back(target, dict(journal, state="applying"), any_version=True)
+        except (OSError, ApplyError) as e:
+            why = e.__cause__ if e.__cause__ is not None else e
+            raise stopped("apply", target, f"{cause}; putting files back: {why}") from e
+    else:
+        with contextlib.suppress(OSError):  # a torn journal write
+            target.remove_leftovers(None)
+    if isinstance(cause, (OSError, ApplyError)):
+        raise ApplyError(f"{cause}; every file was put back as it was") from cause
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
@@ -793,12 +1351,18 @@ def cmd_apply(args: argparse.Namespace) -> int:
                     f"{target.root}: applied, but changed since: "
                     + ", ".join(drift)
                     + "; `make revert` (with --force to "
-                    "discard the edits) and apply again",
+                    "keep the edits aside) and apply again",
                     code=EXIT_DRIFT,
                 )
             say(f"already applied (revision {revision}) in {target.root}")
             return EXIT_OK
-        recover_if_interrupted(target, journal)
+        if journal is not None:
+            restored = put_back(target, journal)
+            say(
+                f"recovered from an interrupted {journal['state']} started "
+                f"{journal['started']}: {restored} file(s) restored to vLLM "
+                f"{journal['vllm_version']}"
+            )
         version = check_version(target, pins)
         if problems := base_drift(target, patch_set):
             raise ApplyError(
@@ -811,10 +1375,11 @@ def cmd_apply(args: argparse.Namespace) -> int:
             )
         if blocked := unwritable_dirs(target, patch_set):
             raise ApplyError("not writable by this user: " + ", ".join(blocked))
-        stage_root = Path(tempfile.mkdtemp(prefix="stage-", dir=target.state_dir))
+        stage_root = new_stage(target)
         try:
             stage = stage_root / "tree"
             stage.mkdir()
+            make_repo(stage)
             copy_base(stage, patch_set.patched_files, target.path)
             failures = stage_patch_set(patch_set, stage, overlay=patch_set.overlay)
             if failures:
@@ -824,12 +1389,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
                     + "; ".join(problems)
                     + " (`python apply.py check` lists every failing hunk)"
                 )
-            byte_compile(stage, patch_set.patched_files + patch_set.overlay)
-            (target.state_dir / "backups").mkdir(exist_ok=True)
+            byte_compile(
+                stage, patch_set.patched_files + patch_set.overlay, target.interpreter()
+            )
             journal = new_journal(target, patch_set, stage, revision, version)
-            swap_in(target, patch_set, stage, journal)
+            swap_in(target, stage, journal)
         finally:
-            shutil.rmtree(stage_root, ignore_errors=True)
+            remove_stage(stage_root)
     say(
         f"applied revision {revision} to {target.root}: "
         f"{len(patch_set.patches)} patch(es), "
@@ -850,6 +1416,17 @@ def new_journal(
             missing.append(str(parent))
             parent = parent.parent
         created_dirs += [d for d in reversed(missing) if d not in created_dirs]
+    files = []
+    for rel in patch_set.patched_files:
+        entry = {
+            "path": rel,
+            "base": patch_set.manifest[rel],
+            "result": sha256_file(stage / rel),
+            "backup": f"backups/{patch_set.manifest[rel]}",
+        }
+        if target.path(rel).is_symlink():
+            entry["symlink"] = os.readlink(target.path(rel))
+        files.append(entry)
     return {
         "format": JOURNAL_FORMAT,
         "state": "applying",
@@ -857,15 +1434,7 @@ def new_journal(
         "revision": revision,
         "vllm_version": version or "unknown",
         "patches": [p.name for p in patch_set.patches],
-        "files": [
-            {
-                "path": rel,
-                "base": patch_set.manifest[rel],
-                "result": sha256_file(stage / rel),
-                "backup": f"backups/{patch_set.manifest[rel]}",
-            }
-            for rel in patch_set.patched_files
-        ],
+        "files": files,
         "overlay": [
             {"path": rel, "result": sha256_file(stage / rel)}
             for rel in patch_set.overlay
@@ -881,8 +1450,9 @@ def cmd_revert(args: argparse.Namespace) -> int:
         if journal is None:
             say(f"not applied in {target.root}; nothing to revert")
             return EXIT_OK
-        restored = roll_back(target, journal, force=args.force)
-        finish_revert(target)
+        restored = put_back(
+            target, journal, force=args.force, any_version=args.any_version
+        )
     say(
         f"reverted {target.root}: {restored} file(s) back to vLLM "
         f"{journal['vllm_version']}"
@@ -893,8 +1463,26 @@ def cmd_revert(args: argparse.Namespace) -> int:
 def cmd_status(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     target = resolve_target(args.target)
-    journal = target.read_journal()
-    say(f"target:   {target.root} (vLLM {target.version() or 'unknown'})")
+    with reading(target) as lock_left:
+        journal = target.read_journal()
+        ours, others = target.leftovers(journal)
+        if lock_left:
+            ours.append(target.lock_path)
+        if journal is None and target.state_dir.is_dir() and not ours + others:
+            ours.append(target.state_dir)  # empty: its run was killed early
+        say(f"target:   {target.root} (vLLM {target.version() or 'unknown'})")
+        code = status_of(target, patch_set, journal)
+    for path in ours:
+        say(f"  LEFT  {path} (of a run that was stopped; apply or revert removes it)")
+    for path in others:
+        say(f"  ALIEN {path} (not written by k3-sppp; left alone)")
+    if ours and code in (EXIT_OK, EXIT_NOT_APPLIED, EXIT_OTHER_REVISION):
+        return EXIT_INTERRUPTED
+    return code
+
+
+def status_of(target: Target, patch_set: PatchSet, journal: dict | None) -> int:
+    """Print the state of ``target`` and return ``status``'s exit code."""
     if journal is None:
         problems = base_drift(target, patch_set)
         say(
@@ -907,7 +1495,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if journal["state"] != "applied":
         say(
             f"state:    interrupted {journal['state']} (started "
-            f"{journal['started']}); `make apply` or `make revert` recovers"
+            f"{journal['started']}); `make apply` or `make revert` finishes it"
         )
         return EXIT_INTERRUPTED
     revision = patch_set.revision()
@@ -976,6 +1564,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="k3-sppp-check-") as tmp:
         stage = Path(tmp) / "tree"
         stage.mkdir()
+        make_repo(stage)
         copy_base(stage, patch_set.patched_files, source)
         failures = stage_patch_set(patch_set, stage, overlay=[], keep_going=True)
     for patch in patch_set.patches:
@@ -998,6 +1587,10 @@ def cmd_check(args: argparse.Namespace) -> int:
             "the series applies, but the base is not the pinned "
             f"vLLM {pins['vllm']}; `apply` will refuse:"
         )
+        if version not in (None, pins["vllm"]):
+            say(
+                f"  vLLM {version} is installed, the series is pinned to {pins['vllm']}"
+            )
         for problem in drift:
             say(f"  {problem}")
         return EXIT_DRIFT
@@ -1011,7 +1604,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def make_repo(path: Path) -> None:
-    git(["init", "-q"], path)
+    git(["init", "-q", "--template="], path)  # no sample hooks to copy
 
 
 def commit_all(repo: Path, message: str) -> None:
@@ -1182,6 +1775,12 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             f"{repo}: no tag {DEVTREE_BASE_TAG}; make it with "
             "`python apply.py devtree DIR`"
         )
+    top = git(["rev-parse", "--show-toplevel"], repo, check=False).stdout.strip()
+    if not top or Path(top).resolve() != repo:
+        raise ApplyError(
+            f"{repo}: not the top of a git repository; refresh reads a devtree "
+            "made by `python apply.py devtree DIR`"
+        )
     if git(["status", "--porcelain"], repo).stdout.strip():
         raise ApplyError(f"{repo}: uncommitted changes; commit them first")
     with tempfile.TemporaryDirectory(prefix="k3-sppp-refresh-") as tmp:
@@ -1250,11 +1849,18 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     add("apply", cmd_apply, "apply the series and overlay files, all or nothing")
-    add("revert", cmd_revert, "restore the original files byte for byte").add_argument(
+    revert = add("revert", cmd_revert, "restore the original files byte for byte")
+    revert.add_argument(
         "--force",
         action="store_true",
-        help="also overwrite files edited since apply (each "
-        "is kept as FILE.k3-sppp-drift)",
+        help="also overwrite files edited since apply (each is kept as "
+        "FILE.k3-sppp-drift, or .1, .2, ... beside an earlier one)",
+    )
+    revert.add_argument(
+        "--any-version",
+        action="store_true",
+        help="restore even if the target's vLLM version is not the one the "
+        "patch set was applied to",
     )
     add("status", cmd_status, "what is applied where, and any drift")
     add("check", cmd_check, "dry run: name every patch and hunk that fails")
@@ -1286,13 +1892,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"apply.py {args.command}: error: {e}", file=sys.stderr)
         return e.code
     except OSError as e:
+        # Every write into vllm/ is inside a transaction that turns its own
+        # errors into an ApplyError; what reaches here changed no vLLM file.
+        print(f"apply.py {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
         print(
-            f"apply.py {args.command}: error: {e}; every file is either "
-            "original or patched, and the journal says which: fix the "
-            "cause and run the command again",
+            f"apply.py {args.command}: interrupted; `python apply.py status` "
+            "says where it stopped, `apply` or `revert` finishes it",
             file=sys.stderr,
         )
-        return EXIT_ERROR
+        return EXIT_CTRL_C
 
 
 if __name__ == "__main__":

@@ -77,12 +77,37 @@ def target(pristine_cache: Path, tmp_path: Path) -> Path:
     return path
 
 
+SMALL_TREE = (
+    "vllm/__init__.py",
+    "vllm/_version.py",
+    "vllm/logger.py",
+    "vllm/version.py",
+)
+
+
+def copy_small(pristine: Path, dest: Path) -> Path:
+    """Copy only what the tests' patch set reads: the package's ``__init__``,
+    its version, the two patched modules and the wheel's dist-info."""
+    for rel in SMALL_TREE:
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(pristine / rel, dest / rel)
+    for info in pristine.glob("vllm-*.dist-info"):
+        shutil.copytree(info, dest / info.name)
+    return dest
+
+
 @pytest.fixture
-def patch_set(target: Path, tmp_path: Path) -> Path:
+def small_target(pristine_cache: Path, tmp_path: Path) -> Path:
+    """A small pristine target, for runs repeated by the hundred."""
+    return copy_small(pristine_cache, tmp_path / "small" / "site-packages")
+
+
+@pytest.fixture
+def patch_set(pristine_cache: Path, tmp_path: Path) -> Path:
     """The tests' own series, with its manifest generated from RECORD."""
     path = tmp_path / "patchset"
     shutil.copytree(DATA / "patchset", path)
-    proc = run_tool(path, "manifest", "--target", str(target))
+    proc = run_tool(path, "manifest", "--target", str(pristine_cache))
     assert proc.returncode == 0, proc.stderr
     return path
 
@@ -116,5 +141,20 @@ def tool(
 
     def run(command: str, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
         return run_tool(patch_set, command, "--target", str(target), *args, **kwargs)
+
+    return run
+
+
+@pytest.fixture
+def small_tool(
+    patch_set: Path,
+    small_target: Path,
+) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``tool`` on ``small_target``."""
+
+    def run(command: str, *args: str, **kwargs) -> subprocess.CompletedProcess[str]:
+        return run_tool(
+            patch_set, command, "--target", str(small_target), *args, **kwargs
+        )
 
     return run

@@ -383,9 +383,9 @@ def test_failure_during_the_swap_rolls_everything_back(
 
     def replace_then_fail(src, dst):
         if "/stage-" in str(src):
-            if swapped:
-                raise OSError(28, "No space left on device", str(dst))
             swapped.append(dst)
+            if len(swapped) == 2:
+                raise OSError(28, "No space left on device", str(dst))
         real_replace(src, dst)
 
     monkeypatch.setattr(os, "replace", replace_then_fail)

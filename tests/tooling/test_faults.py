@@ -1,0 +1,290 @@
+# SPDX-License-Identifier: Apache-2.0
+"""apply and revert with a fault at each file operation they reach, in turn.
+
+For every N and every fault kind (EIO, Ctrl-C, SIGKILL) the run is repeated
+on a fresh copy.  Afterwards the tree must be exactly pristine or exactly
+applied, or ``status`` exits 5 and both the next ``apply`` and the next
+``revert`` reach their state; every vLLM file is always its original or its
+patched self, and a user's edit survives somewhere, byte for byte.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import apply
+from tests.tooling import faults
+from tests.tooling.conftest import PROJECT_DIR, tree_digest
+
+PATCHED = ("vllm/logger.py", "vllm/version.py")
+PROBE = "vllm/k3_sppp_probe/__init__.py"
+EDITED = "vllm/logger.py"
+EXPECTED_CODE = {"eio": {0, 1, 5}, "ctrl-c": {130}, "kill": {-9}}
+
+
+def run_main(*argv: str) -> tuple[int, str]:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        code = apply.main(list(argv))
+    return code, out.getvalue()
+
+
+def package(root: Path) -> dict[str, str]:
+    """Every file (by SHA-256) and directory of the tree, state dir excluded."""
+    listing = {
+        str(p.relative_to(root)): "dir"
+        for p in root.rglob("*")
+        if p.is_dir() and apply.STATE_DIR not in p.relative_to(root).parts
+    }
+    listing.update(
+        (rel, digest)
+        for rel, digest in tree_digest(root).items()
+        if not rel.startswith(apply.STATE_DIR + "/")
+    )
+    return listing
+
+
+def without_drift(listing: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in listing.items() if apply.DRIFT_SUFFIX not in k}
+
+
+def fresh(src: Path, dst: Path) -> Path:
+    shutil.rmtree(dst, ignore_errors=True)
+    shutil.copytree(src, dst, symlinks=True)
+    return dst
+
+
+def state_signature(root: Path) -> tuple:
+    """What a recovery depends on: the package and the state dir's shape."""
+    state = root / apply.STATE_DIR
+    names = (
+        sorted(
+            {
+                "stage-*" if rel.startswith("stage-") else rel
+                for rel in (str(p.relative_to(state)) for p in state.iterdir())
+            }
+            | {str(p.relative_to(state)) for p in state.glob("backups/*")}
+        )
+        if state.is_dir()
+        else None
+    )
+    journal = state / apply.JOURNAL
+    phase = json.loads(journal.read_text())["state"] if journal.is_file() else None
+    return tuple(sorted(package(root).items())), str(names), phase
+
+
+class Sweep:
+    """Runs one command with each fault; checks and tallies the end states."""
+
+    def __init__(self, tmp: Path, patch_set: Path, start: Path, command: list[str]):
+        self.tmp = tmp
+        self.patch_set = patch_set
+        self.start = start
+        self.command = command
+        self.tally: Counter[tuple[str, str]] = Counter()
+        self.recovered: set[tuple] = set()
+
+    def argv(self, root: Path, *command: str) -> list[str]:
+        return [
+            "--patch-set",
+            str(self.patch_set),
+            command[0],
+            "--target",
+            str(root),
+            *command[1:],
+        ]
+
+    def operations(self) -> list[str]:
+        root = fresh(self.start, self.tmp / "count")
+        outcome = faults.run(self.argv(root, *self.command), 0, "eio", self.tmp / "log")
+        assert outcome.code == 0, outcome.output
+        return outcome.ops
+
+    def run(self, check) -> list[str]:
+        ops = self.operations()
+        for n in range(1, len(ops) + 1):
+            for kind in faults.KINDS:
+                root = fresh(self.start, self.tmp / "run")
+                before = package(root)
+                outcome = faults.run(
+                    self.argv(root, *self.command), n, kind, self.tmp / "log"
+                )
+                where = f"{kind} at operation {n} ({ops[n - 1]}): {outcome.output}"
+                assert "Traceback" not in outcome.output, where
+                assert outcome.code in EXPECTED_CODE[kind], where
+                if outcome.code == apply.EXIT_ERROR:
+                    assert package(root) == before, "exit 1 changed the tree: " + where
+                state = check(root, where)
+                self.tally[kind, state] += 1
+        return ops
+
+    def status(self, root: Path) -> int:
+        return run_main(*self.argv(root, "status"))[0]
+
+    def recover(self, root: Path, steps, where: str) -> None:
+        """Run ``steps`` on a copy, once per distinct stopped state."""
+        signature = state_signature(root)
+        if signature in self.recovered:
+            return
+        self.recovered.add(signature)
+        for name, step in steps.items():
+            copy = fresh(root, self.tmp / f"recover-{name}")
+            step(copy, f"{name} after {where}")
+
+
+def assert_files_whole(listing, pristine, applied, edited=None) -> None:
+    """Each vLLM file is its original or its result (or the user's edit)."""
+    for rel, digest in without_drift(listing).items():
+        allowed = {pristine.get(rel), applied.get(rel)}
+        if rel == EDITED and edited is not None:
+            allowed.add(edited)
+        assert digest in allowed, f"{rel}: neither original nor patched"
+    for rel in pristine:
+        assert rel in listing, f"{rel}: lost"
+
+
+def test_apply_reaches_a_named_state_after_a_fault_at_each_operation(
+    small_target, patch_set, tmp_path
+):
+    start = small_target
+    pristine = package(start)
+    reference = fresh(start, tmp_path / "reference")
+    assert run_main("--patch-set", str(patch_set), "apply", "--target", str(reference))[
+        0
+    ] == (apply.EXIT_OK)
+    applied = package(reference)
+    sweep = Sweep(tmp_path, patch_set, start, ["apply"])
+
+    def exactly_pristine(root: Path, where: str) -> None:
+        assert package(root) == pristine, where
+        assert not (root / apply.STATE_DIR).exists(), where
+
+    def revert(root: Path, where: str) -> None:
+        code, out = run_main(*sweep.argv(root, "revert"))
+        assert code == apply.EXIT_OK, where + out
+        exactly_pristine(root, where)
+
+    def apply_then_revert(root: Path, where: str) -> None:
+        code, out = run_main(*sweep.argv(root, "apply"))
+        assert code == apply.EXIT_OK, where + out
+        assert sweep.status(root) == apply.EXIT_OK, where
+        assert package(root) == applied, where
+        revert(root, where)
+
+    def check(root: Path, where: str) -> str:
+        listing = package(root)
+        assert_files_whole(listing, pristine, applied)
+        status = sweep.status(root)
+        if status == apply.EXIT_NOT_APPLIED:
+            exactly_pristine(root, where)
+            return "pristine"
+        if status == apply.EXIT_OK:
+            assert listing == applied, where
+            return "applied"
+        assert status == apply.EXIT_INTERRUPTED, f"status {status}: {where}"
+        sweep.recover(root, {"revert": revert, "apply": apply_then_revert}, where)
+        return "status 5"
+
+    ops = sweep.run(check)
+    report("apply", ops, sweep)
+    assert sweep.tally["kill", "status 5"] > 0, "no kill landed mid-transaction"
+
+
+def test_revert_force_keeps_the_edit_after_a_fault_at_each_operation(
+    small_target, patch_set, tmp_path
+):
+    pristine = package(small_target)
+    argv = ["--patch-set", str(patch_set)]
+    assert run_main(*argv, "apply", "--target", str(small_target))[0] == 0
+    applied = package(small_target)
+    with open(small_target / EDITED, "ab") as f:
+        f.write(b"# my local fix\n")
+    edit_bytes = (small_target / EDITED).read_bytes()
+    edited = apply.sha256_bytes(edit_bytes)
+    sweep = Sweep(tmp_path, patch_set, small_target, ["revert", "--force"])
+
+    def edit_kept(root: Path, where: str) -> None:
+        copies = sorted(root.glob(EDITED + apply.DRIFT_SUFFIX + "*"))
+        for copy in copies:
+            assert copy.read_bytes() == edit_bytes, f"{copy} is not the edit: {where}"
+        holds_edit = (root / EDITED).is_file() and (
+            root / EDITED
+        ).read_bytes() == edit_bytes
+        assert copies or holds_edit, "the user's edit is lost: " + where
+
+    def pristine_with_edit_kept(root: Path, where: str) -> None:
+        assert without_drift(package(root)) == pristine, where
+        assert not (root / apply.STATE_DIR).exists(), where
+        assert list(root.glob(EDITED + apply.DRIFT_SUFFIX + "*")), where
+        edit_kept(root, where)
+
+    def revert_force(root: Path, where: str) -> None:
+        code, out = run_main(*sweep.argv(root, "revert", "--force"))
+        assert code == apply.EXIT_OK, where + out
+        pristine_with_edit_kept(root, where)
+
+    def apply_then_revert(root: Path, where: str) -> None:
+        code, out = run_main(*sweep.argv(root, "apply"))
+        assert code == apply.EXIT_OK, where + out
+        assert without_drift(package(root)) == applied, where
+        edit_kept(root, where)
+        code, out = run_main(*sweep.argv(root, "revert"))
+        assert code == apply.EXIT_OK, where + out
+        pristine_with_edit_kept(root, where)
+
+    def check(root: Path, where: str) -> str:
+        listing = package(root)
+        assert_files_whole(listing, pristine, applied, edited)
+        edit_kept(root, where)
+        status = sweep.status(root)
+        if status == apply.EXIT_NOT_APPLIED:
+            pristine_with_edit_kept(root, where)
+            return "pristine"
+        if status == apply.EXIT_DRIFT:  # as it was: applied, with the edit
+            assert listing == package(small_target), where
+            sweep.recover(root, {"revert": revert_force}, where)
+            return "as it was"
+        assert status == apply.EXIT_INTERRUPTED, f"status {status}: {where}"
+        sweep.recover(root, {"revert": revert_force, "apply": apply_then_revert}, where)
+        return "status 5"
+
+    ops = sweep.run(check)
+    report("revert --force", ops, sweep)
+    assert sweep.tally["kill", "status 5"] > 0, "no kill landed mid-transaction"
+
+
+def report(command: str, ops: list[str], sweep: Sweep) -> None:
+    """One line for the log: operations x kinds, and the end states."""
+    kinds = Counter(ops)
+    states = Counter()
+    for (_, state), count in sweep.tally.items():
+        states[state] += count
+    print(
+        f"\n{command}: {len(ops)} operations ({dict(kinds)}) x "
+        f"{len(faults.KINDS)} fault kinds = {sum(states.values())} runs; "
+        f"end states {dict(states)}; by kind {dict(sweep.tally)}; "
+        f"{len(sweep.recovered)} distinct stopped states recovered"
+    )
+
+
+def test_real_series_killed_mid_transaction_is_reverted_to_pristine(target, tmp_path):
+    """The project's own series, once: SIGKILL at its middle ``os.replace``."""
+    pristine = tree_digest(target)
+    count = fresh(target, tmp_path / "count")
+    argv = ["--patch-set", str(PROJECT_DIR), "apply", "--target"]
+    ops = faults.run([*argv, str(count)], 0, "eio", tmp_path / "log").ops
+    replaces = [n for n, op in enumerate(ops, 1) if op == "replace"]
+    outcome = faults.run(
+        [*argv, str(target)], replaces[len(replaces) // 2], "kill", tmp_path / "log"
+    )
+    assert outcome.code == -9
+    status = ["--patch-set", str(PROJECT_DIR), "status", "--target", str(target)]
+    assert run_main(*status)[0] == apply.EXIT_INTERRUPTED
+    code, out = run_main(*[*status[:2], "revert", *status[3:]])
+    assert code == apply.EXIT_OK, out
+    assert tree_digest(target) == pristine
