@@ -114,7 +114,28 @@ def boundary_comparison(results: list[StageResult], tp: int) -> list[str]:
             f"| end of the last stage | {rank} | – | {calls} | {nbytes:,} | – | "
             f"{calls} | {nbytes:,} | – |"
         )
+    lines += ["", end_gather_path(results[-1])]
     return lines
+
+
+def end_gather_path(last: StageResult) -> str:
+    """Which end gather the last stage took, by what it recorded."""
+    gathers = [r for r in last.ledger.records if r.phase == "stage output"]
+    if not last.sequence_parallel:
+        return "End of the model: no SP, nothing to gather."
+    limit = f"PACKED_GATHER_MAX_BYTES = {last.packed_gather_max_bytes:,} B"
+    shard = sum(r.nbytes for r in gathers)
+    if len(gathers) == 1 and len(last.aux_hidden_states or []) > 0:
+        return (
+            f"End gather: packed, one all-gather of the {shard:,}-byte shard of "
+            f"final and aux states ({limit})."
+        )
+    if len(gathers) == 1:
+        return f"End gather: one all-gather of the final states ({shard:,} B)."
+    return (
+        f"End gather: {len(gathers)} separate all-gathers, the {shard:,}-byte "
+        f"shard being above {limit}."
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -130,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         help="aux hidden-state layers, comma-separated ('' for none)",
     )
     parser.add_argument(
+        "--packed-gather-max-bytes",
+        type=int,
+        help="override PACKED_GATHER_MAX_BYTES (a tiny step packs below 40 MiB)",
+    )
+    parser.add_argument(
         "--production-flags",
         action="store_true",
         help="the seed's VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT=1 and "
@@ -142,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         attn_res=args.attn_res,
         aux_layers=tuple(int(x) for x in args.aux.split(",") if x),
         production_flags=args.production_flags,
+        packed_gather_max_bytes=args.packed_gather_max_bytes,
     )
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     print(f"starting TP{args.tp}×PP{args.pp} ranks ...", file=sys.stderr, flush=True)

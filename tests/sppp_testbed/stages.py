@@ -91,6 +91,8 @@ class StageResult:
     # left in the forward context (this rank's rows under SP).
     dispatched_padding: torch.Tensor | None = None
     padding_mask: torch.Tensor | None = None
+    # The packed end gather's limit this step ran with.
+    packed_gather_max_bytes: int = 0
 
 
 # The seed's serve command sets the first; the second is 0.33.0's default,
@@ -252,6 +254,7 @@ def run_step(scenario: Scenario) -> StageResult:
                 isinstance(module, k3.KimiMLP) and module.shard_sequence_parallel
                 for module in model.modules()
             ),
+            packed_gather_max_bytes=k3_sp.PACKED_GATHER_MAX_BYTES,
         )
         intermediate = None
         if not pp_group.is_first_rank:
