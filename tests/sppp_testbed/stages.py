@@ -139,9 +139,9 @@ def forward_context(
 def gather_by_shape(model: torch.nn.Module) -> None:
     """A gather skipped because a row count, not the SP flag, decided."""
     gather = k3.sp_all_gather
-    k3.sp_all_gather = k3_sp.sp_all_gather = (
-        lambda x: x if x.shape[0] == 1 else gather(x)
-    )
+    k3.sp_all_gather = lambda x: x if x.shape[0] == 1 else gather(x)
+    if k3_sp is not None:  # the end gather
+        k3_sp.sp_all_gather = k3.sp_all_gather
 
 
 def shift_aux_slots(model: torch.nn.Module) -> None:
@@ -254,7 +254,7 @@ def run_step(scenario: Scenario) -> StageResult:
                 isinstance(module, k3.KimiMLP) and module.shard_sequence_parallel
                 for module in model.modules()
             ),
-            packed_gather_max_bytes=k3_sp.PACKED_GATHER_MAX_BYTES,
+            packed_gather_max_bytes=getattr(k3_sp, "PACKED_GATHER_MAX_BYTES", 0),
         )
         intermediate = None
         if not pp_group.is_first_rank:

@@ -134,7 +134,7 @@ def test_end_gather_packs_below_the_limit_and_gathers_each_state_above(
         return torch.cat([shard, torch.cat(other, dim=-1)])
 
     monkeypatch.setattr(k3_sp, "sp_all_gather", all_gather)
-    shard_bytes = (1 + num_aux) * rows * hidden * 4
+    shard_bytes = sum(state[:rows].nbytes for state in full)
     for limit, want in [
         (shard_bytes, [(rows, hidden * (1 + num_aux))]),
         (shard_bytes - 1, [(rows, hidden)] * (1 + num_aux)),
