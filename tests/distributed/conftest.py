@@ -35,7 +35,8 @@ def topologies(*shapes: tuple[int, int]):
 MAX_LIVE_RANKS = 12
 
 
-@pytest.fixture(scope="session")
+# Package scope: the ranks are gone before the evaluation tests run.
+@pytest.fixture(scope="package")
 def pools():
     live: dict[tuple[int, int, str | None], RankPool] = {}
 
@@ -59,7 +60,7 @@ def pool(request, pools) -> RankPool:
     return pools(*request.param)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def reference():
     """The TP1×PP1 result of a scenario (SP is meaningless there, and the
     production flags change how ranks split the work, not the result)."""

@@ -2,9 +2,11 @@
 """TP×PP ranks as real processes over gloo, started once, running many cases.
 
 ``preload`` names modules every rank imports at start-up, so the (heavy)
-vLLM model imports are paid while all ranks start together, not inside the
-first case's deadline. ``vllm_root`` makes the ranks import vLLM from another
-directory (e.g. a pristine tree, to compare patched and unpatched runs).
+vLLM model imports are paid before the first case's deadline. Ranks of the
+installed vLLM are forked from one fork server that has imported them once
+for the whole session; ``vllm_root`` makes the ranks import vLLM from another
+directory (e.g. a pristine tree, to compare patched and unpatched runs), and
+such ranks are spawned afresh, so the two trees never share a module.
 
 Each rank initialises vLLM's own distributed state
 (``init_distributed_environment`` + ``initialize_model_parallel``) on the CPU,
@@ -28,6 +30,16 @@ from collections.abc import Callable
 from typing import Any
 
 import torch.multiprocessing as mp
+
+# What the fork server imports once, so forked ranks start with the model
+# stack loaded: the test bed's step (vLLM's model, distributed and runner
+# modules) and what every rank runs at start-up.
+FORK_SERVER_PRELOAD = (
+    "torch",
+    "vllm.config",
+    "vllm.distributed",
+    "tests.sppp_testbed.stages",
+)
 
 START_TIMEOUT_S = 180.0
 CASE_TIMEOUT_S = 120.0
@@ -119,7 +131,12 @@ class RankPool:
 
     def start(self) -> None:
         os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # inherited by every rank
-        ctx = mp.get_context("spawn")
+        if self.vllm_root is None:
+            ctx = mp.get_context("forkserver")
+            # Read once, when the first pool starts the server.
+            ctx.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
+        else:
+            ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         port = _free_port()
@@ -176,7 +193,7 @@ class RankPool:
                         {r: "(no answer: stuck after a peer failed)" for r in missing}
                     )
                 elif time.monotonic() > deadline or dead:
-                    self.close(kill=True)
+                    self.close()
                     raise RankFailure(
                         f"{self!r} {what}: no answer from rank(s) {missing} "
                         f"within {timeout:.0f} s"
@@ -190,7 +207,7 @@ class RankPool:
                 # Peers may now wait forever in a collective with this rank.
                 deadline = min(deadline, time.monotonic() + ERROR_GRACE_S)
         if errors:
-            self.close(kill=True)
+            self.close()
             detail = "\n".join(
                 f"--- rank {r} (TP {r % self.tp}, PP {r // self.tp}) ---\n{tb}"
                 for r, tb in sorted(errors.items())
@@ -198,13 +215,11 @@ class RankPool:
             raise RankFailure(f"{self!r} {what} failed:\n{detail}")
         return [results[r] for r in range(self.world)]
 
-    def close(self, kill: bool = False) -> None:
-        """Stop every rank; ``kill`` for ranks that may sit in a collective."""
-        for task_queue in getattr(self, "_tasks", []) if not kill else []:
-            task_queue.put(None)
+    def close(self) -> None:
+        """Stop every rank. Ranks hold nothing worth a clean exit and may sit
+        in a collective, so they are killed, not asked to return."""
         for proc in self._procs:
-            proc.join(timeout=0 if kill else 10)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
+            proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5)
         self._procs = []
