@@ -3,7 +3,8 @@
 #   make apply          pinned vLLM into .venv (if absent), verify, apply
 #   make test           unit, distributed (CPU, gloo) and tooling tests
 #   make revert         byte-identical original vLLM again (FORCE=1: also
-#                       files edited since apply, each kept as *.k3-sppp-drift)
+#                       files edited since apply, each kept as
+#                       *.k3-sppp-drift[.N], never overwritten)
 #   make status         what is applied where, and any drift
 #   make check          dry run: which patch and hunk would fail
 #   make pr-diff        one diff for an upstream vLLM pull request

@@ -1,16 +1,17 @@
 # SPDX-License-Identifier: Apache-2.0
 """Distributed tests run vLLM's distributed layer on the CPU, over gloo.
 
-Rank pools are expensive to start (~15 s) and cheap to reuse, so pools live
-for the session, one per topology (tests pick theirs with ``topologies``),
-with at most ``MAX_LIVE_RANKS`` rank processes (~1.2 GB each) alive at once.
-The single-process reference is memoised per scenario.
+Rank pools cost a few seconds to start (a pristine tree's, whose ranks are
+spawned and import vLLM themselves, about ten) and are cheap to reuse, so
+pools live as long as this package's tests, one per topology (tests pick
+theirs with ``topologies``), with at most ``MAX_LIVE_RANKS`` rank processes
+alive at once. The single-process reference is memoised per scenario.
 """
 
 import dataclasses
 import os
 
-# Before any vLLM import, here and in every spawned rank (which inherits it).
+# Before any vLLM import, here and in every rank (which inherits it).
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
 import pytest  # noqa: E402
