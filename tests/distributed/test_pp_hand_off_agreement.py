@@ -13,7 +13,7 @@ import torch
 
 from tests.distributed.conftest import topologies
 from tests.sppp_testbed.tiny_k3 import build_model, scenario_config, stand_ins
-from vllm.config import set_current_vllm_config
+from vllm.config import CUDAGraphMode, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.v1.worker.pp_hand_off_agreement import check_pp_hand_off_agreement
 
@@ -29,6 +29,7 @@ class StageFlags:
     aux_layers: tuple[int, ...] = (0, 2, 3)
     enforce_eager: bool = False
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8)
+    cudagraph_mode: str = "FULL_DECODE_ONLY"
 
 
 PRODUCTION = StageFlags()
@@ -44,6 +45,7 @@ def start_stage(flags_by_stage: list[StageFlags]) -> str | None:
     config.kernel_config.moe_backend = flags.moe_backend
     config.model_config.enforce_eager = flags.enforce_eager
     config.compilation_config.cudagraph_capture_sizes = list(flags.capture_sizes)
+    config.compilation_config.cudagraph_mode = CUDAGraphMode[flags.cudagraph_mode]
     with set_current_vllm_config(config), stand_ins(), torch.no_grad():
         model = build_model(config)
         model._set_aux_hidden_state_layers(flags.aux_layers)
@@ -76,9 +78,8 @@ def test_a_stage_with_another_moe_backend_fails_on_every_rank(pool):
         errors,
         "moe_backend: stage 0=deep_gemm_mega_moe, stage 1=auto",
         "sequence_parallel: stage 0=True, stage 1=False",
-        "all_gather_tensors: stage 0={'hidden_states': False, 'residual': False, "
-        "'aux_hidden_states_0': False, 'aux_hidden_states_1': False, "
-        "'aux_hidden_states_2': False}, stage 1={}",
+        "all_gather_tensors: stage 0={'hidden_states': False, 'residual': False}, "
+        "stage 1={}",
         "Start every node with the same --kernel-config, "
         "--enable-expert-parallel, --tensor-parallel-size.",
     )
@@ -86,15 +87,39 @@ def test_a_stage_with_another_moe_backend_fails_on_every_rank(pool):
 
 @topologies((2, 2))
 def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
-    other = dataclasses.replace(PRODUCTION, aux_layers=(0, 2))
+    """Stage 0 captures taps 0 and 2 and sends two slots; a stage 1 started
+    with taps (0, 3) expects one."""
+    other = dataclasses.replace(PRODUCTION, aux_layers=(0, 3))
     errors = pool.run(start_stage, [PRODUCTION, other], timeout=BOUND_S)
     assert_refused_everywhere(
         errors,
-        "aux_hidden_state_layers: stage 0=(0, 2, 3), stage 1=(0, 2)",
-        "--speculative-config (eagle_aux_hidden_state_layer_ids)",
+        "aux_hidden_state_slots: stage 0 sends 2, stage 1 expects 1",
+        "aux_hidden_state_layers: stage 0=(0, 2, 3), stage 1=(0, 3)",
+        "--speculative-config (eagle_aux_hidden_state_layer_ids), "
+        "VLLM_PP_LAYER_PARTITION.",
     )
     for error in errors:
         assert "moe_backend" not in error and "cudagraph" not in error, error
+
+
+@topologies((2, 2))
+def test_aux_layers_set_on_the_last_stage_only_start(pool):
+    """The legacy runner sets aux layers on the last stage only; with every
+    tap on that stage nothing crosses the boundary, as in 0.33.0."""
+    first = dataclasses.replace(PRODUCTION, aux_layers=())
+    last = dataclasses.replace(PRODUCTION, aux_layers=(3,))
+    assert pool.run(start_stage, [first, last], timeout=BOUND_S) == [None] * pool.world
+
+
+@topologies((2, 2))
+def test_a_stage_with_another_backend_but_no_sp_anywhere_starts(pool):
+    """The MoE backend alone is not part of the hand-off: without SP on any
+    stage, each stage's EP group may run its own backend."""
+    flags = [
+        dataclasses.replace(PRODUCTION, moe_backend="auto"),
+        dataclasses.replace(PRODUCTION, moe_backend="flashinfer_cutlass"),
+    ]
+    assert pool.run(start_stage, flags, timeout=BOUND_S) == [None] * pool.world
 
 
 @topologies((2, 2))
@@ -110,4 +135,13 @@ def test_stages_with_other_cuda_graph_settings_fail_on_every_rank(pool):
     errors = pool.run(start_stage, [PRODUCTION, eager], timeout=BOUND_S)
     assert_refused_everywhere(
         errors, "enforce_eager: stage 0=False, stage 1=True", "--enforce-eager."
+    )
+    # Equal flags can resolve to other modes: the message says so.
+    piecewise = dataclasses.replace(PRODUCTION, cudagraph_mode="PIECEWISE")
+    errors = pool.run(start_stage, [PRODUCTION, piecewise], timeout=BOUND_S)
+    assert_refused_everywhere(
+        errors,
+        "cudagraph_mode: stage 0=FULL_DECODE_ONLY, stage 1=PIECEWISE",
+        "a stage's attention backends or drafter lowered the mode it resolved "
+        "to: set a cudagraph_mode every stage supports.",
     )

@@ -1,0 +1,42 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The GPU worker compares PP stages' hand-off settings before anything in
+compile/warm-up runs a forward: the V2 kernel warm-up already runs real PP
+steps through the worker's ``execute_model``, so a later check would come
+after the hang it is there to prevent."""
+
+import types
+
+import pytest
+
+from vllm.v1.worker import gpu_worker
+
+
+class Refused(Exception):
+    pass
+
+
+def test_hand_off_agreement_is_checked_before_any_warm_up_forward(monkeypatch):
+    calls: list[str] = []
+
+    def check(vllm_config, model):
+        calls.append(f"check({vllm_config}, {model})")
+        raise Refused
+
+    def record(name):
+        return lambda *args, **kwargs: calls.append(name)
+
+    monkeypatch.setattr(gpu_worker, "check_pp_hand_off_agreement", check)
+    monkeypatch.setattr(gpu_worker, "kernel_warmup", record("kernel_warmup"))
+    monkeypatch.setattr(gpu_worker, "warmup_kernels", record("warmup_kernels"))
+    runner = types.SimpleNamespace(
+        _dummy_run=record("_dummy_run"),
+        capture_model=record("capture_model"),
+        get_model=lambda: "model",
+    )
+    worker = types.SimpleNamespace(
+        vllm_config="config", model_runner=runner, get_model=lambda: "model"
+    )
+    with pytest.raises(Refused):
+        gpu_worker.Worker._compile_or_warm_up_model(worker)
+    assert calls == ["check(config, model)"]
