@@ -112,25 +112,26 @@ def pp_hand_off_settings(vllm_config: VllmConfig, model: nn.Module) -> dict[str,
     }
 
 
-def disagreements(everyone: list[dict[str, Any]]) -> list[str]:
-    """What differs between stages, each with every stage's value."""
+def disagreements(everyone: list[dict[str, Any]]) -> list[tuple[str, str]]:
+    """What differs between stages: the setting, and every stage's value."""
     problems = []
     for key in everyone[0]:
         if key.startswith("aux_slots") or all(
             other[key] == everyone[0][key] for other in everyone
         ):
             continue
-        problems.append(
-            f"{key}: "
-            + ", ".join(f"stage {stage}={s[key]}" for stage, s in enumerate(everyone))
-        )
+        values = ", ".join(f"stage {n}={s[key]}" for n, s in enumerate(everyone))
+        problems.append((key, f"{key}: {values}"))
     for stage in range(len(everyone) - 1):
         sent = everyone[stage]["aux_slots_sent"]
         expected = everyone[stage + 1]["aux_slots_received"]
         if sent != expected:
             problems.append(
-                f"aux_hidden_state_slots: stage {stage} sends {sent}, "
-                f"stage {stage + 1} expects {expected}"
+                (
+                    "aux_hidden_state_slots",
+                    f"aux_hidden_state_slots: stage {stage} sends {sent}, "
+                    f"stage {stage + 1} expects {expected}",
+                )
             )
     return problems
 
@@ -144,12 +145,13 @@ def check_pp_hand_off_agreement(vllm_config: VllmConfig, model: nn.Module) -> No
     everyone: list[dict[str, Any]] = [{}] * pp_group.world_size
     dist.all_gather_object(everyone, settings, group=pp_group.cpu_group)
     problems = disagreements(everyone)
-    keys = [problem.split(":", 1)[0] for problem in problems]
+    keys = [key for key, _ in problems]
     if all(key in CONTEXT for key in keys):
         return
     options = ", ".join(dict.fromkeys(name for key in keys for name in OPTIONS[key]))
     raise RuntimeError(
         "Pipeline stages disagree on their hand-off and would hang or mix rows "
-        f"at the first one ({'; '.join(problems)}). Start every node with the "
+        f"at the first one ({'; '.join(text for _, text in problems)}). Start "
+        "every node with the "
         f"same {options}." + (CUDAGRAPH_MODE_HINT if "cudagraph_mode" in keys else "")
     )
