@@ -1,11 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Distributed tests run vLLM's distributed layer on the CPU, over gloo.
 
-Rank pools cost a few seconds to start (a pristine tree's, whose ranks are
-spawned and import vLLM themselves, about ten) and are cheap to reuse, so
-pools live as long as this package's tests, one per topology (tests pick
-theirs with ``topologies``), with at most ``MAX_LIVE_RANKS`` rank processes
-alive at once. The single-process reference is memoised per scenario.
+Ranks are forked from a fork server per vLLM tree that imports the model
+stack once; the installed tree's starts while the tests are collected. Pools
+live as long as this package's tests, one per topology (tests pick theirs
+with ``topologies``), with at most ``MAX_LIVE_RANKS`` rank processes alive at
+once. The single-process reference is memoised per scenario.
 """
 
 import dataclasses
@@ -16,8 +16,10 @@ os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 
 import pytest  # noqa: E402
 
-from tests.sppp_testbed.launcher import RankPool  # noqa: E402
+from tests.sppp_testbed.launcher import RankPool, start_fork_server  # noqa: E402
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step  # noqa: E402
+
+start_fork_server()  # imports in the background while tests are collected
 
 PRELOAD = ("tests.sppp_testbed.stages",)
 

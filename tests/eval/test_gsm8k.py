@@ -211,30 +211,45 @@ def test_compare_without_the_baseline_says_which_run_is_missing(tmp_path, capsys
 # -- end to end ----------------------------------------------------------
 
 
-def run_arm(results: Path, arm: str, url: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
+def start_arm(results: Path, arm: str, url: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
         [sys.executable, "-m", "eval.gsm8k", "--results", str(results), "run",
          "--arm", arm, "--base-url", url, "--model", "Kimi-K3",
          "--data", str(DATA)],
         cwd=gsm8k.PROJECT_DIR,
         env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
     )  # fmt: skip
+
+
+def finished(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def run_arm(results: Path, arm: str, url: str) -> subprocess.CompletedProcess[str]:
+    return finished(start_arm(results, arm, url))
 
 
 def test_end_to_end_against_a_local_server(tmp_path, capsys):
     right = gsm8k_answerer(DATA / "test.jsonl")
     wrong = gsm8k_answerer(DATA / "test.jsonl", wrong=True)
-    with serving("Kimi-K3", right) as url:
-        for arm in ("fi-ep", "fi-noep"):
-            result = run_arm(tmp_path, arm, url)
-            assert result.returncode == 0, result.stdout + result.stderr
-            assert "Requesting API" in result.stderr  # lm-eval's progress
-    with serving("Kimi-K3", wrong) as url:
-        result = run_arm(tmp_path, "mega-sp", url)
-        assert result.returncode == 0, result.stdout + result.stderr
+    with serving("Kimi-K3", right) as url, serving("Kimi-K3", wrong) as wrong_url:
+        # At once, as against three clusters: each arm writes its own run.
+        arms = {
+            "fi-ep": start_arm(tmp_path, "fi-ep", url),
+            "fi-noep": start_arm(tmp_path, "fi-noep", url),
+            "mega-sp": start_arm(tmp_path, "mega-sp", wrong_url),
+        }
+        results = {arm: finished(proc) for arm, proc in arms.items()}
+    for arm, result in results.items():
+        assert result.returncode == 0, f"{arm}: {result.stdout}{result.stderr}"
+        assert "Requesting API" in result.stderr  # lm-eval's progress
 
     manifest = json.loads((tmp_path / "mega-sp" / "manifest.json").read_text())
     assert manifest["served_vllm_version"] == "0.33.0"
@@ -254,8 +269,7 @@ def test_end_to_end_against_a_local_server(tmp_path, capsys):
     }
 
     code, report, _ = compare(tmp_path, capsys)
-    print(report)  # shown with -s: the report of the e2e run
-    assert code == 1
+    assert code == 1, report
     assert verdict_row(report, "fi-noep")[1:4] == ["15", "0", "0"]
     assert verdict_row(report, "fi-noep")[-1] == "non-inferior"
     assert verdict_row(report, "mega-sp")[1:4] == ["15", "15", "0"]

@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """TP×PP ranks as real processes over gloo, started once, running many cases.
 
-``preload`` names modules every rank imports at start-up, so the (heavy)
-vLLM model imports are paid before the first case's deadline. Ranks of the
-installed vLLM are forked from one fork server that has imported them once
-for the whole session; ``vllm_root`` makes the ranks import vLLM from another
-directory (e.g. a pristine tree, to compare patched and unpatched runs), and
-such ranks are spawned afresh, so the two trees never share a module.
+Ranks are forked from a fork server that has imported the model stack once
+for the whole session, so a pool starts in a fraction of a second instead of
+each rank paying the (heavy) vLLM imports. ``vllm_root`` makes the ranks import
+vLLM from another directory (e.g. a pristine tree, to compare patched and
+unpatched runs); each such tree has its own fork server, so two trees never
+share a module. ``preload`` names further modules every rank imports at
+start-up, before the first case's deadline.
 
 Each rank initialises vLLM's own distributed state
 (``init_distributed_environment`` + ``initialize_model_parallel``) on the CPU,
@@ -19,6 +20,7 @@ and started afresh on the next case.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import queue
@@ -26,12 +28,13 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from multiprocessing import forkserver
 from typing import Any
 
 import torch.multiprocessing as mp
 
-# What the fork server imports once, so forked ranks start with the model
+# What a fork server imports once, so forked ranks start with the model
 # stack loaded: the test bed's step (vLLM's model, distributed and runner
 # modules) and what every rank runs at start-up.
 FORK_SERVER_PRELOAD = (
@@ -48,6 +51,53 @@ ERROR_GRACE_S = 5.0
 
 class RankFailure(AssertionError):
     """A case failed in one or more ranks."""
+
+
+_fork_servers: dict[str | None, forkserver.ForkServer] = {}
+
+
+def start_fork_server(vllm_root: str | None = None) -> None:
+    """Start the fork server of ranks importing vLLM from ``vllm_root``
+    (``None``: the installed vLLM) unless it runs already.
+
+    It returns at once: the server imports ``FORK_SERVER_PRELOAD`` in the
+    background, and the first rank forked from it waits for that. Called
+    early, the import overlaps whatever the caller does next.
+    """
+    if vllm_root in _fork_servers:
+        return
+    server = forkserver.ForkServer()
+    server.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # inherited by every rank
+    saved = os.environ.get("PYTHONPATH")
+    if vllm_root is not None:  # the server's own imports come from the tree
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (vllm_root, saved)))
+    try:
+        server.ensure_running()
+    finally:
+        if saved is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = saved
+    _fork_servers[vllm_root] = server
+
+
+@contextlib.contextmanager
+def _forking_from(vllm_root: str | None) -> Iterator[None]:
+    """Processes started in this block fork from ``vllm_root``'s server.
+
+    The standard library keeps one fork server per interpreter and asks it
+    through ``multiprocessing.forkserver.connect_to_new_process``; the test
+    bed keeps one per vLLM tree, so it points that name at the tree's server
+    while starting a pool's ranks.
+    """
+    start_fork_server(vllm_root)
+    default = forkserver.connect_to_new_process
+    forkserver.connect_to_new_process = _fork_servers[vllm_root].connect_to_new_process
+    try:
+        yield
+    finally:
+        forkserver.connect_to_new_process = default
 
 
 def _free_port() -> int:
@@ -130,13 +180,7 @@ class RankPool:
         return f"RankPool(TP{self.tp}xPP{self.pp}{where})"
 
     def start(self) -> None:
-        os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # inherited by every rank
-        if self.vllm_root is None:
-            ctx = mp.get_context("forkserver")
-            # Read once, when the first pool starts the server.
-            ctx.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
-        else:
-            ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(self.world)]
         port = _free_port()
@@ -157,8 +201,9 @@ class RankPool:
             )
             for r in range(self.world)
         ]
-        for proc in self._procs:
-            proc.start()
+        with _forking_from(self.vllm_root):
+            for proc in self._procs:
+                proc.start()
         self._collect("start-up", START_TIMEOUT_S, expect="ready")
 
     def run(

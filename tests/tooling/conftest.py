@@ -10,12 +10,15 @@ the compiled extensions (hundreds of MB) play no part in patching.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -57,8 +60,31 @@ def build_pristine(dest: Path) -> None:
         shutil.copy2(src, dst)
 
 
+SMALL_TREE = (
+    "vllm/__init__.py",
+    "vllm/_version.py",
+    "vllm/logger.py",
+    "vllm/version.py",
+)
+
+
+def file_signatures(root: Path) -> dict[str, tuple[int, int, int, int]]:
+    """Inode, size, mtime and mode of every file: what a write shows in."""
+    signatures = {}
+    for path in root.rglob("*"):
+        st = path.lstat()
+        if stat.S_ISREG(st.st_mode):
+            signatures[str(path.relative_to(root))] = (
+                st.st_ino,
+                st.st_size,
+                st.st_mtime_ns,
+                st.st_mode,
+            )
+    return signatures
+
+
 @pytest.fixture(scope="session")
-def pristine_cache() -> Path:
+def pristine_cache() -> Iterator[Path]:
     version = apply.read_pins()["vllm"]
     cache = CACHE / f"pristine-vllm-{version}"
     if not cache.is_dir():
@@ -66,23 +92,46 @@ def pristine_cache() -> Path:
         tmp = Path(tempfile.mkdtemp(prefix="pristine-", dir=CACHE))
         build_pristine(tmp)
         tmp.rename(cache)
-    return cache
+    before = file_signatures(cache)
+    yield cache
+    after = file_signatures(cache)
+    changed = sorted(
+        rel for rel in before.keys() | after.keys() if before.get(rel) != after.get(rel)
+    )
+    if changed:
+        shutil.rmtree(cache)  # rebuilt from the wheel by the next session
+        pytest.fail(
+            f"a test wrote through a hard link into {cache} "
+            f"({', '.join(changed[:5])}); copy such files in linked_copy()"
+        )
+
+
+def linked_copy(pristine: Path, dest: Path) -> Path:
+    """A target with pristine's files, sharing those no test writes in place.
+
+    The tests edit only ``SMALL_TREE`` and the dist-info in place, so only
+    those are copied; every other file is a hard link to the cache: apply.py
+    reads such files and swaps them with ``os.replace``, which replaces the
+    link, never writes through it. ``pristine_cache`` fails the session if a
+    cached file changed all the same. Across file systems every file is copied.
+    """
+    copied = {pristine / rel for rel in SMALL_TREE}
+
+    def copy(src: str, dst: str) -> None:
+        if Path(src) not in copied and ".dist-info" not in src:
+            with contextlib.suppress(OSError):  # another file system: copy
+                os.link(src, dst)
+                return
+        shutil.copy2(src, dst)
+
+    shutil.copytree(pristine, dest, copy_function=copy)
+    return dest
 
 
 @pytest.fixture
 def target(pristine_cache: Path, tmp_path: Path) -> Path:
     """A fresh site-packages-like copy of pristine vLLM 0.33.0."""
-    path = tmp_path / "site-packages"
-    shutil.copytree(pristine_cache, path)
-    return path
-
-
-SMALL_TREE = (
-    "vllm/__init__.py",
-    "vllm/_version.py",
-    "vllm/logger.py",
-    "vllm/version.py",
-)
+    return linked_copy(pristine_cache, tmp_path / "site-packages")
 
 
 def copy_small(pristine: Path, dest: Path) -> Path:
@@ -102,14 +151,20 @@ def small_target(pristine_cache: Path, tmp_path: Path) -> Path:
     return copy_small(pristine_cache, tmp_path / "small" / "site-packages")
 
 
-@pytest.fixture
-def patch_set(pristine_cache: Path, tmp_path: Path) -> Path:
+@pytest.fixture(scope="session")
+def manifested_patch_set(pristine_cache: Path, tmp_path_factory) -> Path:
     """The tests' own series, with its manifest generated from RECORD."""
-    path = tmp_path / "patchset"
+    path = tmp_path_factory.mktemp("patchset") / "patchset"
     shutil.copytree(DATA / "patchset", path)
     proc = run_tool(path, "manifest", "--target", str(pristine_cache))
     assert proc.returncode == 0, proc.stderr
     return path
+
+
+@pytest.fixture
+def patch_set(manifested_patch_set: Path, tmp_path: Path) -> Path:
+    """A copy of the tests' series of its own, free to edit."""
+    return shutil.copytree(manifested_patch_set, tmp_path / "patchset")
 
 
 def run_tool(

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import apply
-from tests.tooling.conftest import PROJECT_DIR, run_tool, tree_digest
+from tests.tooling.conftest import PROJECT_DIR, linked_copy, run_tool, tree_digest
 
 PROBE = "vllm/k3_sppp_probe/__init__.py"
 FIRST = "0001-Tooling-probe-mark-two-vLLM-modules.patch"
@@ -282,7 +282,7 @@ def test_unwritable_target_is_refused(pristine_cache, patch_set):
     try:
         shared.chmod(0o755)  # readable, not writable, by others
         target = shared / "site-packages"
-        shutil.copytree(pristine_cache, target)
+        linked_copy(pristine_cache, target)
         shutil.copytree(patch_set, shared / "patchset")
         for path in (target, shared / "patchset"):
             path.chmod(0o755)
