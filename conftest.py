@@ -7,3 +7,7 @@ device, so in vLLM's own CI they run on whatever platform it has."""
 import os
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+# Importing vLLM imports humming, which starts two interpreters in the
+# background to pre-build its CUDA launcher: on a CPU they only take cores
+# from the tests (every process importing vLLM starts its own two).
+os.environ["HUMMING_DISABLE_PARALLEL_BUILD"] = "1"

@@ -10,6 +10,9 @@ once. The single-process reference is memoised per scenario.
 
 import dataclasses
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 # Before any vLLM import, here and in every rank (which inherits it).
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
@@ -17,9 +20,35 @@ os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 import pytest  # noqa: E402
 
 from tests.sppp_testbed.launcher import RankPool, start_fork_server  # noqa: E402
+from tests.sppp_testbed.pristine import link_pristine_vllm  # noqa: E402
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step  # noqa: E402
 
-start_fork_server()  # imports in the background while tests are collected
+PRISTINE_VLLM = pytest.StashKey[str]()
+
+
+def pytest_configure(config):
+    """Start the fork server now: it imports while the tests are collected."""
+    if not config.option.collectonly:
+        start_fork_server()
+
+
+def pytest_collection_modifyitems(config, items):
+    """If a selected test compares with pristine vLLM, link that tree and
+    start its fork server now, so its import overlaps the tests before."""
+    if config.option.collectonly:
+        return
+    if any("pristine_vllm" in item.fixturenames for item in items):
+        root = tempfile.mkdtemp(prefix="k3-sppp-pristine-vllm-")
+        config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+        config.stash[PRISTINE_VLLM] = str(link_pristine_vllm(Path(root)))
+        start_fork_server(config.stash[PRISTINE_VLLM])
+
+
+@pytest.fixture(scope="session")
+def pristine_vllm(request) -> str:
+    """A vLLM 0.33.0 tree as it was before the patch set (linked, not copied)."""
+    return request.config.stash[PRISTINE_VLLM]
+
 
 PRELOAD = ("tests.sppp_testbed.stages",)
 

@@ -12,17 +12,11 @@ import vllm
 from tests.distributed.conftest import topologies
 from tests.distributed.test_kimi_k3_stages import supported_scenarios
 from tests.sppp_testbed.launcher import RankPool
-from tests.sppp_testbed.pristine import link_pristine_vllm
 from tests.sppp_testbed.stages import run_step
 
 
 def vllm_location() -> str:
     return vllm.__file__
-
-
-@pytest.fixture(scope="session")
-def pristine_vllm(tmp_path_factory) -> str:
-    return str(link_pristine_vllm(tmp_path_factory.mktemp("pristine-vllm")))
 
 
 @pytest.fixture(scope="module")

@@ -69,6 +69,8 @@ def start_fork_server(vllm_root: str | None = None) -> None:
     server = forkserver.ForkServer()
     server.set_forkserver_preload(list(FORK_SERVER_PRELOAD))
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"  # inherited by every rank
+    # No background CUDA builds of humming (imported by vLLM) on CPU ranks.
+    os.environ["HUMMING_DISABLE_PARALLEL_BUILD"] = "1"
     saved = os.environ.get("PYTHONPATH")
     if vllm_root is not None:  # the server's own imports come from the tree
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (vllm_root, saved)))
