@@ -1745,12 +1745,45 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def series_prefix_problem(patch_set: PatchSet, target: Target) -> str | None:
+    """The shortest prefix of the series that does not apply to the pinned
+    sources and compile, named; None when every prefix does.
+
+    Quilt users stop at any patch and drop patches from the end of a series,
+    so each prefix must stand on its own: a patch that needs a later one to
+    apply (or to compile) is out of order.
+    """
+    with tempfile.TemporaryDirectory(prefix="k3-sppp-lint-") as tmp:
+        stage = Path(tmp) / "tree"
+        stage.mkdir()
+        make_repo(stage)
+        copy_pristine(patch_set, target, stage, patch_set.patched_files)
+        touched: list[str] = []
+        for number, patch in enumerate(patch_set.patches, 1):
+            prefix = f"patches/series: the first {number} patch(es), up to {patch.name}"
+            if failures := apply_patch(stage, patch):
+                return (
+                    f"{prefix}, do not apply to vLLM {read_pins()['vllm']}: "
+                    + "; ".join(failures)
+                    + " does not apply; move the patch after the one it needs"
+                )
+            touched += [rel for rel in patch.files if rel not in touched]
+            try:
+                byte_compile(stage, touched, target.interpreter())
+            except ApplyError as e:
+                return f"{prefix}, do not compile: {e}"
+    return None
+
+
 def cmd_lint(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
+    if problem := series_prefix_problem(patch_set, resolve_target(args.target)):
+        raise ApplyError(problem)
     say(
         f"{len(patch_set.patches)} patch(es), "
-        f"{len(patch_set.overlay_export)} overlay file(s): consistent"
+        f"{len(patch_set.overlay_export)} overlay file(s): consistent; "
+        "every prefix of the series applies and compiles"
     )
     return EXIT_OK
 
@@ -1908,7 +1941,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_manifest,
         "regenerate patches/base.sha256 from the wheel's RECORD",
     )
-    add("lint", cmd_lint, "check the series, headers and manifest")
+    add(
+        "lint",
+        cmd_lint,
+        "check the series, headers and manifest, and that every prefix of "
+        "the series applies to the pinned sources",
+    )
     add(
         "devtree", cmd_devtree, "git repo of pristine sources, one commit per patch"
     ).add_argument("dir", type=Path)
