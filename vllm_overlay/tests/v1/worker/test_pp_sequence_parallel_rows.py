@@ -143,6 +143,25 @@ def test_legacy_real_step_without_sp_is_unchanged(num_tokens):
     assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
 
 
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_both_runners_cut_a_hand_off_longer_than_the_batch(num_tokens):
+    """A sender's whole ``max_num_tokens``-row buffers (what ``vllm bench
+    forward`` hands over) reach the model as their first ``num_tokens`` rows,
+    through either runner, as 0.33.0 cut every hand-off."""
+    received = hand_off(CAPACITY, seed=num_tokens)
+    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
+    legacy = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, received, True
+    )
+    v2 = pp_rows.hand_over_intermediate_tensors(
+        persistent_buffers(), received, num_tokens
+    )
+    for handed in (legacy, v2):
+        for key, tensor in handed.items():
+            expected = received[key][:num_tokens]
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
+
+
 def graph_manager() -> ModelCudaGraphManager:
     """The V2 graph manager's output state only: no devices, no graphs."""
     manager = ModelCudaGraphManager.__new__(ModelCudaGraphManager)
