@@ -75,8 +75,14 @@ TMP_SUFFIX = ".k3-sppp-tmp"
 DRIFT_SUFFIX = ".k3-sppp-drift"
 STATUS_LOCK_WAIT_S = 30.0
 MANIFEST = "base.sha256"
-REQUIRED_HEADERS = ("Description", "Drop-When", "Last-Update")
-FORWARDED_HEADERS = ("Forwarded", "Upstream-Status")
+REQUIRED_HEADERS = ("Description", "Forwarded", "Drop-When", "Last-Update")
+# DEP-3: a Forwarded value other than these means "sent upstream", and then
+# names where, ideally as one URL.
+NOT_FORWARDED = ("no", "not-needed")
+# Upstream work that is related to a patch but is not that patch sent there
+# (DEP-3's Bug and Forwarded would each claim more): one URL.
+RELATED_HEADER = "X-Related-Upstream-PR"
+_URL = re.compile(r"^https?://\S+$")
 GIT_IDENTITY = (
     "-c",
     "user.name=k3-sppp",
@@ -298,6 +304,34 @@ def parse_patch(path: Path) -> Patch:
     return Patch(path.name, path, headers, files, hunks)
 
 
+def upstream_problem(headers: dict[str, str]) -> str | None:
+    """What is wrong with a header's claims about upstream, if anything.
+
+    ``Forwarded`` is ``no``, ``not-needed`` or the one URL the patch was sent
+    to; related upstream work is named in ``X-Related-Upstream-PR`` instead,
+    and is never the forward's URL.
+    """
+    forwarded = headers.get("Forwarded", "")
+    related = headers.get(RELATED_HEADER)
+    if related is not None and not _URL.match(related):
+        return f"{RELATED_HEADER}: {related!r} is not one URL"
+    if not forwarded or forwarded in NOT_FORWARDED:
+        return None  # a missing Forwarded is named with the other fields
+    if not _URL.match(forwarded):
+        return (
+            f"Forwarded: {forwarded!r} is neither `no`, `not-needed` nor the "
+            "one URL the patch was sent to; say `no` until it is sent, and "
+            f"name related upstream work in {RELATED_HEADER}"
+        )
+    if forwarded == related:
+        return (
+            f"Forwarded: {forwarded} is the related upstream work "
+            f"({RELATED_HEADER}), not this patch sent upstream; say `no` "
+            "until it is sent"
+        )
+    return None
+
+
 def read_manifest(path: Path) -> dict[str, str]:
     """``sha256sum`` lines: a SHA-256 in hex, space, mode mark and path."""
     manifest: dict[str, str] = {}
@@ -343,10 +377,10 @@ def load_patch_set(root: Path) -> PatchSet:
         missing = [
             h for h in ("Subject",) + REQUIRED_HEADERS if not patch.headers.get(h)
         ]
-        if not any(patch.headers.get(h) for h in FORWARDED_HEADERS):
-            missing.append("Forwarded (or Upstream-Status)")
         if missing:
             problems.append(f"{path}: DEP-3 header lacks " + ", ".join(missing))
+        if problem := upstream_problem(patch.headers):
+            problems.append(f"{path}: {problem}")
         if "\r\ndiff --git " in read_text(path):
             problems.append(
                 f"{path}: has CRLF (Windows) line endings; convert the patch "
@@ -1711,12 +1745,45 @@ def cmd_manifest(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def series_prefix_problem(patch_set: PatchSet, target: Target) -> str | None:
+    """The shortest prefix of the series that does not apply to the pinned
+    sources and compile, named; None when every prefix does.
+
+    Quilt users stop at any patch and drop patches from the end of a series,
+    so each prefix must stand on its own: a patch that needs a later one to
+    apply (or to compile) is out of order.
+    """
+    with tempfile.TemporaryDirectory(prefix="k3-sppp-lint-") as tmp:
+        stage = Path(tmp) / "tree"
+        stage.mkdir()
+        make_repo(stage)
+        copy_pristine(patch_set, target, stage, patch_set.patched_files)
+        touched: list[str] = []
+        for number, patch in enumerate(patch_set.patches, 1):
+            prefix = f"patches/series: the first {number} patch(es), up to {patch.name}"
+            if failures := apply_patch(stage, patch):
+                return (
+                    f"{prefix}, do not apply to vLLM {read_pins()['vllm']}: "
+                    + "; ".join(failures)
+                    + " does not apply; move the patch after the one it needs"
+                )
+            touched += [rel for rel in patch.files if rel not in touched]
+            try:
+                byte_compile(stage, touched, target.interpreter())
+            except ApplyError as e:
+                return f"{prefix}, do not compile: {e}"
+    return None
+
+
 def cmd_lint(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
+    if problem := series_prefix_problem(patch_set, resolve_target(args.target)):
+        raise ApplyError(problem)
     say(
         f"{len(patch_set.patches)} patch(es), "
-        f"{len(patch_set.overlay_export)} overlay file(s): consistent"
+        f"{len(patch_set.overlay_export)} overlay file(s): consistent; "
+        "every prefix of the series applies and compiles"
     )
     return EXIT_OK
 
@@ -1874,7 +1941,12 @@ def build_parser() -> argparse.ArgumentParser:
         cmd_manifest,
         "regenerate patches/base.sha256 from the wheel's RECORD",
     )
-    add("lint", cmd_lint, "check the series, headers and manifest")
+    add(
+        "lint",
+        cmd_lint,
+        "check the series, headers and manifest, and that every prefix of "
+        "the series applies to the pinned sources",
+    )
     add(
         "devtree", cmd_devtree, "git repo of pristine sources, one commit per patch"
     ).add_argument("dir", type=Path)

@@ -15,8 +15,18 @@ import torch
 
 from tests.distributed.conftest import topologies
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step
+from tests.sppp_testbed.tiny_k3 import DTYPE, tiny_config
+from vllm.utils.math_utils import cdiv
+
+try:
+    from vllm.models.common.ops.sequence_parallel import sp_shard_rows
+except ImportError:  # pristine vLLM: the non-regression ranks import this module
+    sp_shard_rows = None
 
 TOLERANCE = 1e-12
+# The tiny model's sizes, as its config sets them.
+TINY = tiny_config(attn_res=True)
+HIDDEN = TINY.hidden_size
 
 
 def token_counts(tp: int) -> list[int]:
@@ -111,11 +121,11 @@ def test_sp_across_stages_matches_the_reference(pool, reference):
 def test_sp_end_of_stage_is_one_packed_gather(pool, reference):
     for n, aux in itertools.product(token_counts(2), [(), (0, 2, 3)]):
         results = pool.run(run_step, Scenario(True, n, aux_layers=aux))
-        rows = -(-n // pool.tp)
+        rows = sp_shard_rows(n, pool.tp)
         for result in results:
             gathers = [r for r in result.ledger.records if r.phase == "stage output"]
             assert [(r.op, r.shape) for r in gathers] == [
-                ("all_gather", (rows, 64 * (1 + len(aux))))
+                ("all_gather", (rows, HIDDEN * (1 + len(aux))))
             ], (n, aux, gathers)
 
 
@@ -142,11 +152,11 @@ def test_sp_end_gather_on_both_sides_of_the_packed_limit(pool, reference):
     taps = aux_taps(pool.pp)
     problems = []
     for n in (1, 3, 17):
-        rows = -(-n // pool.tp)
-        shard_bytes = rows * 64 * (1 + len(taps)) * 8  # float64
+        rows = sp_shard_rows(n, pool.tp)
+        shard_bytes = rows * HIDDEN * (1 + len(taps)) * DTYPE.itemsize
         for limit, want in [
-            (shard_bytes, [(rows, 64 * (1 + len(taps)))]),
-            (shard_bytes - 1, [(rows, 64)] * (1 + len(taps))),
+            (shard_bytes, [(rows, HIDDEN * (1 + len(taps)))]),
+            (shard_bytes - 1, [(rows, HIDDEN)] * (1 + len(taps))),
         ]:
             scenario = Scenario(True, n, aux_layers=taps, packed_gather_max_bytes=limit)
             results = pool.run(run_step, scenario)
@@ -195,7 +205,7 @@ def test_sp_across_stages_with_the_production_flags(pool, reference):
     as many rows as its hidden states. Results still match the reference."""
     problems = failures(pool, production_flag_scenarios(pool.tp, pool.pp), reference)
     for scenario in production_flag_scenarios(pool.tp, pool.pp):
-        n, rows = scenario.num_tokens, -(-scenario.num_tokens // pool.tp)
+        n, rows = scenario.num_tokens, sp_shard_rows(scenario.num_tokens, pool.tp)
         for rank, result in enumerate(pool.run(run_step, scenario)):
             where = f"{scenario}, rank {rank}"
             start, end = result.layers
@@ -242,7 +252,7 @@ def test_sp_across_stages_moves_the_minimum(pool, reference):
     for n in token_counts(pool.tp):
         for attn_res, taps in [(False, ()), (True, aux_taps(pool.pp))]:
             scenario = Scenario(True, n, attn_res=attn_res, aux_layers=taps)
-            rows = -(-n // pool.tp)
+            rows = sp_shard_rows(n, pool.tp)
             for rank, result in enumerate(pool.run(run_step, scenario)):
                 records = result.ledger.records
                 where = f"{scenario}, rank {rank}"
@@ -262,16 +272,17 @@ def test_sp_across_stages_moves_the_minimum(pool, reference):
                     if set(moved) != want_keys:
                         problems.append(f"{where}: {op} keys {sorted(moved)}")
                     # The AttnRes residual is the bank of completed blocks.
-                    bank = [-(-boundary // 2)] if attn_res else []
+                    blocks = cdiv(boundary, TINY.attn_res_block_size)
+                    bank = [blocks] if attn_res else []
                     for key, shape in moved.items():
-                        want = (rows, *(bank if key == "residual" else []), 64)
+                        want = (rows, *(bank if key == "residual" else []), HIDDEN)
                         if shape != want:
                             problems.append(f"{where}: {op} {key} {shape} != {want}")
                 gathers = [
                     (r.op, r.shape) for r in records if r.phase == "stage output"
                 ]
                 want = (
-                    [("all_gather", (rows, 64 * (1 + len(taps))))]
+                    [("all_gather", (rows, HIDDEN * (1 + len(taps))))]
                     if stage == pool.pp - 1
                     else []
                 )

@@ -25,7 +25,7 @@ from tests.sppp_testbed.tiny_k3 import (
     stand_ins,
 )
 from vllm.distributed import parallel_state
-from vllm.distributed import pp_sequence_parallel as pp_sp
+from vllm.models.common.ops.sequence_parallel import sp_shard_rows
 from vllm.models.kimi_k3.nvidia import model as k3
 from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
 from vllm.sequence import IntermediateTensors
@@ -45,14 +45,9 @@ class FakeSPCollectives:
 
     calls: list[tuple[str, tuple[int, ...]]] = field(default_factory=list)
 
-    def _pad(self, x: torch.Tensor) -> torch.Tensor:
-        pad = (-x.shape[0]) % TP_SIZE
-        return torch.cat([x, x.new_zeros(pad, *x.shape[1:])])
-
     def shard(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(("shard", tuple(x.shape)))
-        x = self._pad(x)
-        return x[: x.shape[0] // TP_SIZE]
+        return x[: rows(x.shape[0])]  # rank 0's rows lie within the sequence
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(("all_gather", tuple(x.shape)))
@@ -60,8 +55,7 @@ class FakeSPCollectives:
 
     def reduce_scatter(self, x: torch.Tensor) -> torch.Tensor:
         self.calls.append(("reduce_scatter", tuple(x.shape)))
-        x = self._pad(x)
-        return x[: x.shape[0] // TP_SIZE]
+        return x[: rows(x.shape[0])]
 
     def count(self, op: str) -> int:
         return sum(name == op for name, _ in self.calls)
@@ -74,7 +68,7 @@ def collectives(monkeypatch) -> FakeSPCollectives:
     monkeypatch.setattr(k3, "sp_all_gather", fake.all_gather)
     monkeypatch.setattr(k3_sp, "sp_all_gather", fake.all_gather)  # the end gather
     monkeypatch.setattr(k3, "sp_reduce_scatter", fake.reduce_scatter)
-    monkeypatch.setattr(pp_sp, "get_tensor_model_parallel_world_size", lambda: TP_SIZE)
+    monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: TP_SIZE)
     return fake
 
 
@@ -121,7 +115,7 @@ def make_stage(single_rank_world, monkeypatch):
 
 
 def rows(num_tokens: int) -> int:
-    return -(-num_tokens // TP_SIZE)
+    return sp_shard_rows(num_tokens, TP_SIZE)
 
 
 def incoming(num_tokens: int, capacity: int | None = None, aux: int = 0):

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm.benchmarks.forward import pipeline
+from vllm.models.common.ops.sequence_parallel import sp_shard_rows
 from vllm.sequence import IntermediateTensors
 
 CAPACITY = 128  # max_num_tokens rows of the runner's persistent buffers
@@ -42,7 +43,7 @@ class FakePPGroup:
 
 @pytest.mark.parametrize(("num_tokens", "tp"), [(1, 2), (17, 2), (64, 8), (9, 4)])
 def test_later_stage_gets_exactly_the_shard_it_was_sent(num_tokens, tp, monkeypatch):
-    rows = -(-num_tokens // tp)
+    rows = sp_shard_rows(num_tokens, tp)
     generator = torch.Generator().manual_seed(num_tokens)
     received = {
         key: torch.randn(rows, HIDDEN, generator=generator) for key in OVERRIDES

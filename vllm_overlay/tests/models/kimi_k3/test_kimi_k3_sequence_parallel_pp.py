@@ -9,7 +9,10 @@ import types
 import pytest
 import torch
 
-from vllm.distributed import pp_sequence_parallel as pp_sp
+from vllm.model_executor.models.interfaces import (
+    get_pp_all_gather_overrides,
+    supports_pp_all_gather_overrides,
+)
 from vllm.models.kimi_k3.nvidia import model as k3
 from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
 
@@ -228,5 +231,13 @@ def test_transport_helper_asks_the_model_or_keeps_the_default():
     model = types.SimpleNamespace(
         get_pp_intermediate_tensor_all_gather_overrides=lambda: declared
     )
-    assert pp_sp.pp_all_gather_overrides(model) is declared
-    assert pp_sp.pp_all_gather_overrides(torch.nn.Linear(2, 2)) is None
+    assert get_pp_all_gather_overrides(model) is declared
+    assert get_pp_all_gather_overrides(torch.nn.Linear(2, 2)) is None
+    # Every Kimi K3 entry point declares the interface the runners ask.
+    for cls in (
+        k3.KimiLinearModel,
+        k3.KimiLinearForCausalLM,
+        k3.KimiK3ForConditionalGeneration,
+    ):
+        assert supports_pp_all_gather_overrides(cls), cls
+    assert not supports_pp_all_gather_overrides(torch.nn.Linear)

@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from vllm.config import CUDAGraphMode
-from vllm.distributed import pp_sequence_parallel as pp_sp
+from vllm.models.common.ops.sequence_parallel import sp_shard_rows
+from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
 from vllm.sequence import IntermediateTensors
+from vllm.v1.worker import pp_intermediate_tensors as pp_rows
 from vllm.v1.worker.gpu.cudagraph_utils import (
     BatchExecutionDescriptor,
     CudaGraphManager,
@@ -31,10 +33,6 @@ TP_SIZES = [2, 4, 8]
 CAPACITY = 128  # max_num_tokens
 HIDDEN = 8
 BANK = 2  # AttnRes blocks behind the stage: the residual is 3-D
-
-
-def shard_rows(num_tokens: int, tp: int) -> int:
-    return -(-num_tokens // tp)
 
 
 def hand_off(rows: int, seed: int = 0) -> IntermediateTensors:
@@ -55,25 +53,25 @@ def persistent_buffers() -> IntermediateTensors:
 
 
 def test_row_count_is_the_one_every_tensor_shares():
-    assert pp_sp.intermediate_tensors_num_rows(hand_off(9)) == 9
+    assert pp_rows.intermediate_tensors_num_rows(hand_off(9)) == 9
     mixed = IntermediateTensors(
         {"hidden_states": torch.zeros(9, HIDDEN), "residual": torch.zeros(64, 4)}
     )
     with pytest.raises(ValueError, match="hidden_states: 9, residual: 64"):
-        pp_sp.intermediate_tensors_num_rows(mixed)
+        pp_rows.intermediate_tensors_num_rows(mixed)
     with pytest.raises(ValueError, match="got none"):
-        pp_sp.intermediate_tensors_num_rows(IntermediateTensors({}))
+        pp_rows.intermediate_tensors_num_rows(IntermediateTensors({}))
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
 def test_both_runners_take_every_received_row_at_most_num_tokens(num_tokens, tp):
-    rows = shard_rows(num_tokens, tp)
-    assert pp_sp.received_num_rows(hand_off(rows), num_tokens) == rows
-    assert pp_sp.received_num_rows(hand_off(num_tokens), num_tokens) == num_tokens
+    rows = sp_shard_rows(num_tokens, tp)
+    assert pp_rows.received_num_rows(hand_off(rows), num_tokens) == rows
+    assert pp_rows.received_num_rows(hand_off(num_tokens), num_tokens) == num_tokens
     # More rows than the batch are cut to it, as 0.33.0 cut every hand-off;
     # a sequence-parallel model then refuses the count (test below).
-    assert pp_sp.received_num_rows(hand_off(num_tokens + 5), num_tokens) == num_tokens
+    assert pp_rows.received_num_rows(hand_off(num_tokens + 5), num_tokens) == num_tokens
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -83,14 +81,14 @@ def test_model_refuses_rows_that_are_neither_its_shard_nor_the_batch(
 ):
     """Stages that padded a batch differently send another shard size;
     slicing it would mix rows silently, so the count is checked."""
-    monkeypatch.setattr(pp_sp, "get_tensor_model_parallel_world_size", lambda: tp)
-    shard = shard_rows(num_tokens, tp)
+    monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: tp)
+    shard = sp_shard_rows(num_tokens, tp)
     for rows in {shard, num_tokens}:
-        narrowed = pp_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
-        assert pp_sp.intermediate_tensors_num_rows(narrowed) == shard
+        narrowed = k3_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
+        assert pp_rows.intermediate_tensors_num_rows(narrowed) == shard
     for rows in {shard - 1, shard + 1, num_tokens + 1} - {shard, num_tokens}:
         with pytest.raises(ValueError) as refused:
-            pp_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
+            k3_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
         assert str(refused.value).startswith(
             f"Received hidden_states with {rows} rows for a batch of "
             f"N={num_tokens} tokens at TP={tp}: a sequence-parallel hand-off "
@@ -102,7 +100,7 @@ def test_model_refuses_rows_that_are_neither_its_shard_nor_the_batch(
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
 def test_legacy_real_step_hands_exactly_the_received_shard(num_tokens, tp):
     runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
-    received = hand_off(shard_rows(num_tokens, tp), seed=num_tokens)
+    received = hand_off(sp_shard_rows(num_tokens, tp), seed=num_tokens)
     handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, received, True
     )
@@ -121,16 +119,16 @@ def test_legacy_dummy_run_buffers_are_narrowed_once_by_the_model(
     """Dummy runs, profiling and capture hand ``num_tokens`` rows of the
     full buffers; the model narrows them to the same leading rows a real
     step writes."""
-    monkeypatch.setattr(pp_sp, "get_tensor_model_parallel_world_size", lambda: tp)
+    monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: tp)
     runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
     handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, None, False
     )
     assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
-    narrowed = pp_sp.narrow_to_sequence_parallel_rows(handed, num_tokens)
-    again = pp_sp.narrow_to_sequence_parallel_rows(narrowed, num_tokens)
+    narrowed = k3_sp.narrow_to_sequence_parallel_rows(handed, num_tokens)
+    again = k3_sp.narrow_to_sequence_parallel_rows(narrowed, num_tokens)
     for key, tensor in narrowed.items():
-        assert tensor.shape[0] == shard_rows(num_tokens, tp)
+        assert tensor.shape[0] == sp_shard_rows(num_tokens, tp)
         assert tensor.data_ptr() == runner.intermediate_tensors[key].data_ptr()
         assert again[key].shape == tensor.shape  # a no-op on local rows
 
@@ -143,6 +141,25 @@ def test_legacy_real_step_without_sp_is_unchanged(num_tokens):
         runner, num_tokens, received, True
     )
     assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_both_runners_cut_a_hand_off_longer_than_the_batch(num_tokens):
+    """A sender's whole ``max_num_tokens``-row buffers (what ``vllm bench
+    forward`` hands over) reach the model as their first ``num_tokens`` rows,
+    through either runner, as 0.33.0 cut every hand-off."""
+    received = hand_off(CAPACITY, seed=num_tokens)
+    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
+    legacy = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, received, True
+    )
+    v2 = pp_rows.hand_over_intermediate_tensors(
+        persistent_buffers(), received, num_tokens
+    )
+    for handed in (legacy, v2):
+        for key, tensor in handed.items():
+            expected = received[key][:num_tokens]
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
 
 
 def graph_manager() -> ModelCudaGraphManager:
@@ -166,17 +183,17 @@ def test_graphs_record_their_rows_and_replay_returns_them(tp, monkeypatch):
         for n in sorted(TOKEN_COUNTS, reverse=True)  # capture: largest first
     }
     outputs = {
-        n: hand_off(shard_rows(n, tp), seed=n) for n in descs
+        n: hand_off(sp_shard_rows(n, tp), seed=n) for n in descs
     }  # fmt: skip
     for n, desc in descs.items():
         manager.store_intermediate_tensors(desc, outputs[n])
-    largest = shard_rows(max(TOKEN_COUNTS), tp)
+    largest = sp_shard_rows(max(TOKEN_COUNTS), tp)
     # Later, smaller captures did not shrink the buffers the first allocated.
     assert {t.shape[0] for t in manager.intermediate_tensors.tensors.values()} == {
         largest
     }
     for n, desc in descs.items():
-        assert manager.intermediate_rows[desc] == shard_rows(n, tp)
+        assert manager.intermediate_rows[desc] == sp_shard_rows(n, tp)
         view = manager.run_fullgraph(desc)
         assert isinstance(view, IntermediateTensors)
         for key, tensor in view.items():
@@ -199,9 +216,9 @@ def test_v2_hand_over_copies_real_steps_and_passes_dummy_buffers(num_tokens, tp)
     """What the V2 runner's execute_model hands over, real step and dummy
     run (memory and graph profiling go through the dummy run)."""
     buffers = persistent_buffers()
-    received = hand_off(shard_rows(num_tokens, tp), seed=tp)
-    real = pp_sp.hand_over_intermediate_tensors(buffers, received, num_tokens)
-    dummy = pp_sp.hand_over_intermediate_tensors(buffers, None, num_tokens)
+    received = hand_off(sp_shard_rows(num_tokens, tp), seed=tp)
+    real = pp_rows.hand_over_intermediate_tensors(buffers, received, num_tokens)
+    dummy = pp_rows.hand_over_intermediate_tensors(buffers, None, num_tokens)
     for key in received.tensors:
         torch.testing.assert_close(real[key], received[key], rtol=0, atol=0)
         assert dummy[key].shape[0] == num_tokens
@@ -220,7 +237,7 @@ def test_v2_relay_hands_on_as_many_rows_as_the_stage_outputs():
         {k: v for k, v in hand_off(8).items() if not k.startswith("aux")}
     )
     relayed = PPHandler.relay_aux_hidden_states(handler, inputs, output)
-    assert pp_sp.intermediate_tensors_num_rows(relayed) == 8
+    assert pp_rows.intermediate_tensors_num_rows(relayed) == 8
     assert relayed["aux_hidden_states_0"].data_ptr() == (
         inputs["aux_hidden_states_0"].data_ptr()
     )
@@ -237,8 +254,8 @@ def test_buffers_keep_full_capacity_when_a_hand_over_raises():
         }
     )
     with pytest.raises(ValueError, match="hidden_states: 8, residual: 64"):
-        pp_sp.hand_over_intermediate_tensors(buffers, mixed, 64)
+        pp_rows.hand_over_intermediate_tensors(buffers, mixed, 64)
     assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
-    handed = pp_sp.hand_over_intermediate_tensors(buffers, hand_off(8), 64)
+    handed = pp_rows.hand_over_intermediate_tensors(buffers, hand_off(8), 64)
     assert {t.shape[0] for t in handed.tensors.values()} == {8}
     assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}

@@ -21,8 +21,10 @@ from torch import nn
 
 from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
-from vllm.distributed.pp_sequence_parallel import pp_all_gather_overrides
-from vllm.model_executor.models.interfaces import EagleModelMixin
+from vllm.model_executor.models.interfaces import (
+    EagleModelMixin,
+    get_pp_all_gather_overrides,
+)
 
 # The command-line options behind each value, named in the error.
 OPTIONS: dict[str, tuple[str, ...]] = {
@@ -82,7 +84,7 @@ def pp_hand_off_settings(vllm_config: VllmConfig, model: nn.Module) -> dict[str,
     """What decides the shapes and the transport of this stage's hand-offs."""
     pp_group = get_pp_group()
     compilation_config = vllm_config.compilation_config
-    overrides = pp_all_gather_overrides(model) or {}
+    overrides = get_pp_all_gather_overrides(model) or {}
     layers, start, end = aux_hidden_state_layers(model)
     aux_key = EagleModelMixin.AUX_HIDDEN_STATE_KEY
     return {

@@ -13,9 +13,11 @@ from collections.abc import Sequence
 import torch
 
 from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import EagleModelMixin
-from vllm.models.common.ops.sequence_parallel import sp_all_gather
+from vllm.models.common.ops.sequence_parallel import sp_all_gather, sp_shard_rows
+from vllm.sequence import IntermediateTensors
 
 logger = init_logger(__name__)
 
@@ -83,6 +85,34 @@ def sequence_parallel_pp_overrides(num_aux_slots: int) -> dict[str, bool]:
         f"{EagleModelMixin.AUX_HIDDEN_STATE_KEY}{slot}" for slot in range(num_aux_slots)
     )
     return dict.fromkeys((*SEQUENCE_PARALLEL_PP_KEYS, *aux_keys), False)
+
+
+def narrow_to_sequence_parallel_rows(
+    intermediate_tensors: IntermediateTensors, num_tokens: int
+) -> IntermediateTensors:
+    """The leading SP-shard rows of every tensor a later stage received.
+
+    A real step hands the model exactly ``c = ceil(num_tokens / TP)`` rows;
+    profiling, dummy runs and CUDA graph capture hand ``num_tokens`` rows of
+    full-capacity persistent buffers, whose leading rows are where a real
+    step copies received data, so narrowing keeps the captured addresses.
+    Any other count means the stages padded this batch differently, and
+    slicing it would silently mix rows.
+    """
+    tp_size = get_tensor_model_parallel_world_size()
+    rows = sp_shard_rows(num_tokens, tp_size)
+    for key, tensor in intermediate_tensors.tensors.items():
+        if tensor.shape[0] not in (rows, num_tokens):
+            raise ValueError(
+                f"Received {key} with {tensor.shape[0]} rows for a batch of "
+                f"N={num_tokens} tokens at TP={tp_size}"
+                f": a sequence-parallel hand-off has ceil(N/TP)={rows} rows "
+                f"(or N from full buffers). The stages padded the batch "
+                "differently; start every node with the same flags."
+            )
+    return IntermediateTensors(
+        {key: tensor[:rows] for key, tensor in intermediate_tensors.tensors.items()}
+    )
 
 
 def sp_all_gather_hidden_states(
