@@ -113,10 +113,6 @@ def warn(message: str) -> None:
     print(f"apply.py: warning: {message}", file=sys.stderr, flush=True)
 
 
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -475,10 +471,6 @@ class Target:
             if os.access(candidate, os.X_OK):
                 return candidate
         return None
-
-    def owner(self) -> tuple[int, int]:
-        stat = self.root.stat()
-        return stat.st_uid, stat.st_gid
 
     def adopt(self, path: Path, like: Path | None = None) -> None:
         """Give a file we created the owner of ``like`` (default: the target).

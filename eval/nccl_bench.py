@@ -593,7 +593,7 @@ def peak_part(args, pair: Group, clock: Clock, device) -> dict:
     result["peer_copy"] = result["local_copy"] = None
     result["peer_access"] = None
     if clock.cuda and torch.cuda.device_count() >= 2 and rank == 0:
-        result |= copies(args, payload, clock)
+        result |= copies(args, payload)
     clock.align(pair)
     # Rank 0 alone timed the copies; every rank writes the same report.
     shared = [result if rank == 0 else None]
@@ -601,7 +601,7 @@ def peak_part(args, pair: Group, clock: Clock, device) -> dict:
     return shared[0]
 
 
-def copies(args, payload: torch.Tensor, clock: Clock) -> dict:
+def copies(args, payload: torch.Tensor) -> dict:
     """Peer copy to the next GPU and a copy inside this one, host-timed
     around ``M`` back-to-back copies with both devices synchronised."""
     nbytes = payload.numel()

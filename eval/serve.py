@@ -118,8 +118,8 @@ class ServeCommand:
         return " \\\n".join(lines)
 
 
-def load_arms(path: Path = ARMS_FILE) -> tuple[dict, dict[str, Arm]]:
-    with open(path, "rb") as f:
+def load_arms() -> tuple[dict, dict[str, Arm]]:
+    with open(ARMS_FILE, "rb") as f:
         data = tomllib.load(f)
     arms = {
         name: Arm(
@@ -134,12 +134,14 @@ def load_arms(path: Path = ARMS_FILE) -> tuple[dict, dict[str, Arm]]:
     flags = {words[0] for words in data["serve"]["args"]}
     for arm in arms.values():
         if unknown := sorted(set(arm.drop) - flags):
-            raise ServeError(f"{path}: arm {arm.name} drops unknown flags {unknown}")
+            raise ServeError(
+                f"{ARMS_FILE}: arm {arm.name} drops unknown flags {unknown}"
+            )
     return data["serve"], arms
 
 
-def get_arm(name: str, path: Path = ARMS_FILE) -> Arm:
-    _, arms = load_arms(path)
+def get_arm(name: str) -> Arm:
+    _, arms = load_arms()
     if name not in arms:
         raise ServeError(f"unknown arm {name!r}: set ARM= to one of {sorted(arms)}")
     return arms[name]
@@ -154,12 +156,10 @@ def fill(text: str, values: dict[str, str]) -> str:
     )
 
 
-def build(
-    arm_name: str, values: dict[str, str], path: Path = ARMS_FILE
-) -> ServeCommand:
+def build(arm_name: str, values: dict[str, str]) -> ServeCommand:
     """The arm's command for one node; ``values`` fills the placeholders."""
-    serve, arms = load_arms(path)
-    arm = get_arm(arm_name, path)
+    serve, _ = load_arms()
+    arm = get_arm(arm_name)
     if missing := [k for k in PLACEHOLDERS if not str(values.get(k, "")).strip()]:
         raise ServeError(
             "missing "

@@ -11,6 +11,7 @@ patched self, and a user's edit survives somewhere, byte for byte.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import shutil
@@ -205,7 +206,7 @@ def test_revert_force_keeps_the_edit_after_a_fault_at_each_operation(
     with open(small_target / EDITED, "ab") as f:
         f.write(b"# my local fix\n")
     edit_bytes = (small_target / EDITED).read_bytes()
-    edited = apply.sha256_bytes(edit_bytes)
+    edited = hashlib.sha256(edit_bytes).hexdigest()
     sweep = Sweep(tmp_path, patch_set, small_target, ["revert", "--force"])
 
     def edit_kept(root: Path, where: str) -> None:
