@@ -25,6 +25,9 @@ Exit codes:
          ``apply`` or ``revert`` finishes it
     6    ``status``: applied from a different revision of the patch set
     130  interrupted (Ctrl-C); ``status`` says where it stopped
+
+The patch set names the vLLM version it applies to in
+``patches/base.version``.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ TMP_SUFFIX = ".k3-sppp-tmp"
 DRIFT_SUFFIX = ".k3-sppp-drift"
 STATUS_LOCK_WAIT_S = 30.0
 MANIFEST = "base.sha256"
+BASE_VERSION = "base.version"
 REQUIRED_HEADERS = ("Description", "Drop-When", "Last-Update")
 FORWARDED_HEADERS = ("Forwarded", "Upstream-Status")
 GIT_IDENTITY = (
@@ -87,6 +91,7 @@ GIT_IDENTITY = (
 )
 DEVTREE_BASE_TAG = "k3-sppp-base"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_VERSION = re.compile(r"[0-9][0-9A-Za-z.+!_-]*")
 # Linux ioctl for inode flags (lsattr); immutable and append-only files
 # refuse os.replace and unlink even for root.
 _FS_IOC_GETFLAGS = 0x80086601
@@ -227,6 +232,31 @@ class PatchSet:
         for patch in self.patches:
             seen.update(dict.fromkeys(patch.files))
         return sorted(seen)
+
+    @property
+    def base_version_file(self) -> Path:
+        return self.patch_dir / BASE_VERSION
+
+    def base_version(self) -> str:
+        """The vLLM version the series applies to: ``patches/base.version``,
+        one line (``#`` lines are comments)."""
+        path = self.base_version_file
+        if not path.is_file():
+            raise ApplyError(
+                f"{path}: missing; a patch set names the vLLM version it "
+                "applies to there, in one line (e.g. 0.33.0)"
+            )
+        lines = [
+            line.strip()
+            for line in read_text(path).splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+        if len(lines) != 1 or not _VERSION.fullmatch(lines[0]):
+            raise ApplyError(
+                f"{path}: not one version line ({lines[:3]!r}); write the vLLM "
+                "version the series applies to, e.g. 0.33.0"
+            )
+        return lines[0]
 
     def revision(self) -> str:
         """Content hash of series, patches and overlay files."""
@@ -376,6 +406,7 @@ def load_patch_set(root: Path) -> PatchSet:
     overlay = [rel for rel in overlay_export if rel.startswith("vllm/")]
     manifest = read_manifest(patch_dir / MANIFEST)
     patch_set = PatchSet(root, patches, overlay, overlay_export, manifest, problems)
+    problems += base_version_problems(patch_set)
     touched = set(patch_set.patched_files)
     if set(manifest) != touched:
         extra = sorted(set(manifest) - touched)
@@ -408,10 +439,24 @@ def require_clean(patch_set: PatchSet) -> None:
         )
 
 
-def read_pins() -> dict[str, str]:
+def base_version_problems(patch_set: PatchSet) -> list[str]:
+    """A missing or malformed ``base.version``, or a ``setup.cfg`` beside the
+    patch set whose vLLM pin (what ``make setup`` installs) says otherwise."""
+    try:
+        base = patch_set.base_version()
+    except ApplyError as e:
+        return [str(e)]
+    setup_cfg = patch_set.root / "setup.cfg"
     config = configparser.ConfigParser()
-    config.read(PROJECT_DIR / "setup.cfg")
-    return dict(config["k3_sppp"])
+    config.read(setup_cfg)
+    pinned = config.get("k3_sppp", "vllm", fallback=base)
+    if pinned != base:
+        return [
+            f"{setup_cfg}: pins vllm = {pinned}, but {patch_set.base_version_file} "
+            f"says {base}; make them agree (setup.cfg installs vLLM, base.version "
+            "is what the series applies to)"
+        ]
+    return []
 
 
 # --------------------------------------------------------------------------
@@ -980,13 +1025,15 @@ def not_compiling(rel: str, lineno: object, msg: str) -> ApplyError:
 # --------------------------------------------------------------------------
 
 
-def check_version(target: Target, pins: dict[str, str]) -> str | None:
+def check_version(target: Target, patch_set: PatchSet) -> str | None:
     version = target.version()
-    if version is not None and version != pins["vllm"]:
+    base = patch_set.base_version()
+    if version is not None and version != base:
         raise ApplyError(
             f"{target.root}: vLLM {version} found, the patch set is pinned to "
-            f"{pins['vllm']}; install vllm=={pins['vllm']} there, or port the "
-            "series (`python apply.py check --target ...` shows what fails)"
+            f"{base} ({patch_set.base_version_file}); install vllm=={base} there, "
+            "or port the series (`python apply.py check --target ...` shows what "
+            "fails)"
         )
     return version
 
@@ -1326,7 +1373,7 @@ def undo_apply(target: Target, journal: dict, cause: BaseException) -> None:
 def cmd_apply(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
-    pins = read_pins()
+    base = patch_set.base_version()
     target = resolve_target(args.target)
     revision = patch_set.revision()
     with locked(target):
@@ -1355,13 +1402,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 f"{journal['started']}: {restored} file(s) restored to vLLM "
                 f"{journal['vllm_version']}"
             )
-        version = check_version(target, pins)
+        version = check_version(target, patch_set)
         if problems := base_drift(target, patch_set):
             raise ApplyError(
-                f"{target.root} is not pristine vLLM {pins['vllm']}; "
+                f"{target.root} is not pristine vLLM {base}; "
                 "nothing was written:\n  "
                 + "\n  ".join(problems)
-                + f"\nreinstall vllm=={pins['vllm']} (or restore these files) "
+                + f"\nreinstall vllm=={base} (or restore these files) "
                 "and apply again",
                 code=EXIT_DRIFT,
             )
@@ -1539,14 +1586,21 @@ def pristine_source(target: Target) -> Callable[[str], Path | None]:
     return source
 
 
+def base_version(patch_set: str | os.PathLike[str] | None = None) -> str:
+    """The vLLM version ``patch_set`` (default: this project) applies to, from
+    its ``patches/base.version``; ``ApplyError`` names that file if it is
+    missing or malformed."""
+    return load_patch_set(Path(patch_set or PROJECT_DIR)).base_version()
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
-    pins = read_pins()
+    base = patch_set.base_version()
     target = resolve_target(args.target)
     source = pristine_source(target)
     version = target.version()
-    say(f"target: {target.root} (vLLM {version or 'unknown'}, pinned {pins['vllm']})")
+    say(f"target: {target.root} (vLLM {version or 'unknown'}, pinned {base})")
     drift = [
         f"{rel}: differs from the pinned base"
         for rel in patch_set.patched_files
@@ -1574,19 +1628,17 @@ def cmd_check(args: argparse.Namespace) -> int:
             "nothing was written"
         )
         return EXIT_ERROR
-    if drift or version not in (None, pins["vllm"]):
+    if drift or version not in (None, base):
         say(
             "the series applies, but the base is not the pinned "
-            f"vLLM {pins['vllm']}; `apply` will refuse:"
+            f"vLLM {base}; `apply` will refuse:"
         )
-        if version not in (None, pins["vllm"]):
-            say(
-                f"  vLLM {version} is installed, the series is pinned to {pins['vllm']}"
-            )
+        if version not in (None, base):
+            say(f"  vLLM {version} is installed, the series is pinned to {base}")
         for problem in drift:
             say(f"  {problem}")
         return EXIT_DRIFT
-    say(f"the series applies cleanly to vLLM {pins['vllm']}")
+    say(f"the series applies cleanly to vLLM {base}")
     return EXIT_OK
 
 
@@ -1654,7 +1706,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"# {line}\n"
         for line in [
             f"k3-sppp revision {patch_set.revision()} against vLLM "
-            + read_pins()["vllm"],
+            + patch_set.base_version(),
             *[f"{p.name}: {p.headers['Subject']}" for p in patch_set.patches],
             "Apply from a vLLM source root with `git apply`.",
         ]
@@ -1670,16 +1722,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def write_manifest(patch_set: PatchSet, target: Target) -> Path:
-    pins = read_pins()
+    base = patch_set.base_version()
     version = target.version()
-    if version != pins["vllm"]:
+    if version != base:
         raise ApplyError(
-            f"{target.root}: the manifest is generated from "
-            f"vLLM {pins['vllm']}, found {version}"
+            f"{target.root}: the manifest is generated from vLLM {base} "
+            f"({patch_set.base_version_file}), found {version}"
         )
     record = target.record_hashes()
     lines = [
-        f"# SHA-256 of the vLLM {pins['vllm']} files the series patches, as",
+        f"# SHA-256 of the vLLM {base} files the series patches, as",
         "# shipped in the wheel (its dist-info RECORD). Generated by",
         "# `python apply.py manifest`; do not edit. In a pristine",
         "# site-packages, `sha256sum -c` checks them.",
@@ -1687,7 +1739,7 @@ def write_manifest(patch_set: PatchSet, target: Target) -> Path:
     for rel in patch_set.patched_files:
         if rel not in record:
             raise ApplyError(
-                f"{rel}: not in vLLM {pins['vllm']}'s RECORD; a "
+                f"{rel}: not in vLLM {base}'s RECORD; a "
                 "new file belongs in vllm_overlay/, not a patch"
             )
         lines.append(f"{record[rel]}  {rel}")
@@ -1735,7 +1787,7 @@ def cmd_devtree(args: argparse.Namespace) -> int:
         [rel for rel in rels if rel not in overlay and source(rel) is not None],
     )
     make_repo(repo)
-    commit_all(repo, f"vLLM {read_pins()['vllm']} sources")
+    commit_all(repo, f"vLLM {patch_set.base_version()} sources")
     git(["tag", DEVTREE_BASE_TAG], repo)
     for patch in patch_set.patches:
         proc = git(

@@ -40,7 +40,7 @@ def build_pristine(dest: Path) -> None:
     venv = apply.resolve_target(None)
     record = venv.record_hashes()
     source = apply.pristine_source(venv)
-    version = apply.read_pins()["vllm"]
+    version = apply.base_version()
     wanted = [rel for rel in record if rel.startswith("vllm/") and rel.endswith(".py")]
     wanted += [f"vllm-{version}.dist-info/{name}" for name in ("METADATA", "RECORD")]
     for rel in wanted:
@@ -59,7 +59,7 @@ def build_pristine(dest: Path) -> None:
 
 @pytest.fixture(scope="session")
 def pristine_cache() -> Path:
-    version = apply.read_pins()["vllm"]
+    version = apply.base_version()
     cache = CACHE / f"pristine-vllm-{version}"
     if not cache.is_dir():
         CACHE.mkdir(exist_ok=True)
