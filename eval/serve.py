@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Print, check and start one serving arm's `vllm serve` command on one node.
 
-    python3 eval/serve.py --arm mega-sp --node-rank 0 --model /models/Kimi-K3 \\
+    python3 -m eval.serve --arm mega-sp --node-rank 0 --model /models/Kimi-K3 \\
         --master-addr 10.0.0.1 --host-ip 10.0.0.1 --deepgemm /opt/DeepGEMM
 
-prints the command (environment included) as the arms file defines it for
+(from this checkout's root, with any Python 3.11 or newer; ``make serve``
+runs it) prints the command (environment included) as the arms file defines it for
 that node, after checking that the vLLM of ``--python`` defines every
 ``VLLM_*`` variable the arm sets (vLLM itself only warns about the others, and
 runs as if they were unset); ``--run`` first checks what the node needs (vLLM
@@ -26,6 +27,8 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import apply
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 ARMS_FILE = PROJECT_DIR / "eval" / "arms.toml"
@@ -258,22 +261,12 @@ def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
         return [no_vllm(python, last_line(probe, "not found"))]
     vllm_dir = probe.stdout.strip().splitlines()[-1]
     if arm.needs_patch_set:
-        status = subprocess.run(
-            [
-                sys.executable,
-                str(PROJECT_DIR / "apply.py"),
-                "status",
-                "--target",
-                vllm_dir,
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if status.returncode != 0:
+        status = apply.status(vllm_dir)
+        if status["exit_code"] != apply.EXIT_OK:
             problems.append(
                 f"arm {arm.name} needs the k3-sppp patch set applied to {vllm_dir} "
-                f"(apply.py status exit {status.returncode}): run "
-                f"`make apply VLLM={vllm_dir}`\n{status.stdout.strip()}"
+                f"(apply.py status exit {status['exit_code']}): run "
+                f"`make apply VLLM={vllm_dir}`\n{apply.status_text(status)}"
             )
     env = served_env(command)
     if MEGA_MOE_BACKEND in (flag_value(command, "--kernel-config") or ""):

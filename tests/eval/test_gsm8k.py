@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import apply
 from eval import gsm8k
 from tests.eval.fake_openai import gsm8k_answerer, serving
 from tests.eval.test_serve import SERVED_ENV
@@ -237,11 +238,12 @@ def test_end_to_end_against_a_local_server(tmp_path, capsys):
         assert result.returncode == 0, result.stdout + result.stderr
 
     manifest = json.loads((tmp_path / "mega-sp" / "manifest.json").read_text())
+    assert manifest["patch_set"] == apply.status()  # .venv, applied by make test
     assert manifest["served_vllm_version"] == "0.33.0"
     assert manifest["lm_eval"]["version"] == "0.4.13"
     assert "--kernel-config" in manifest["serve_command"]
     assert manifest["serve_env"] == SERVED_ENV
-    assert manifest["patch_set"]["state"] == "applied (this revision)"
+    assert manifest["patch_set"]["exit_code"] == apply.EXIT_OK
     assert manifest["data"] == str(DATA.resolve())
     assert "tokenized_requests=False" in " ".join(manifest["lm_eval"]["args"])
     run = gsm8k.load_arm(tmp_path / "fi-ep")

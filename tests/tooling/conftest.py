@@ -37,17 +37,20 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def build_pristine(dest: Path) -> None:
-    venv = apply.resolve_target(None)
-    record = venv.record_hashes()
-    source = apply.pristine_source(venv)
+    root = apply.target_root()
+    record = apply.record_hashes(root)
+    source = apply.original_files(root)
     version = apply.base_version()
     wanted = [rel for rel in record if rel.startswith("vllm/") and rel.endswith(".py")]
     wanted += [f"vllm-{version}.dist-info/{name}" for name in ("METADATA", "RECORD")]
     for rel in wanted:
-        src = source(rel) if rel.startswith("vllm/") else venv.path(rel)
+        src = source(rel) if rel.startswith("vllm/") else root / rel
         if src is None:
-            raise RuntimeError(f"{rel}: missing from {venv.root}")
-        if rel in record and apply.sha256_file(src) != record[rel]:
+            raise RuntimeError(f"{rel}: missing from {root}")
+        if (
+            rel in record
+            and hashlib.sha256(src.read_bytes()).hexdigest() != record[rel]
+        ):
             raise RuntimeError(
                 f"{src}: not the file the vLLM {version} "
                 "wheel ships (RECORD); reinstall it"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
-import json
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -60,8 +59,9 @@ def fresh(src: Path, dst: Path) -> Path:
     return dst
 
 
-def state_signature(root: Path) -> tuple:
-    """What a recovery depends on: the package and the state dir's shape."""
+def state_signature(root: Path, patch_set: Path) -> tuple:
+    """What a recovery depends on: the package, the state dir's shape and the
+    journal's state."""
     state = root / apply.STATE_DIR
     names = (
         sorted(
@@ -74,9 +74,11 @@ def state_signature(root: Path) -> tuple:
         if state.is_dir()
         else None
     )
-    journal = state / apply.JOURNAL
-    phase = json.loads(journal.read_text())["state"] if journal.is_file() else None
-    return tuple(sorted(package(root).items())), str(names), phase
+    return (
+        tuple(sorted(package(root).items())),
+        str(names),
+        apply.status(root, patch_set)["state"],
+    )
 
 
 class Sweep:
@@ -129,7 +131,7 @@ class Sweep:
 
     def recover(self, root: Path, steps, where: str) -> None:
         """Run ``steps`` on a copy, once per distinct stopped state."""
-        signature = state_signature(root)
+        signature = state_signature(root, self.patch_set)
         if signature in self.recovered:
             return
         self.recovered.add(signature)
