@@ -46,8 +46,10 @@ command, every repetition) and a Markdown table built from that JSON alone
     python -m torch.distributed.run --nproc-per-node 4 eval/nccl_bench.py \\
         --part handoff --tp 2
 
-On CPU it runs the same code over gloo (host clock instead of CUDA events),
-which is how the tests keep it honest without a GPU.
+with ``python`` an interpreter that has PyTorch (``make nccl-bench`` uses
+``.venv``'s); the script needs nothing else of this checkout. On CPU it runs
+the same code over gloo (host clock instead of CUDA events), which is how the
+tests keep it honest without a GPU.
 """
 
 from __future__ import annotations
