@@ -88,6 +88,19 @@ def compare(root: Path, capsys, baseline: str = "fi-ep") -> tuple[int, str, str]
     return code, captured.out, captured.err
 
 
+def readme_block(after: str) -> list[str]:
+    """The README's indented block that follows the line ending in ``after``."""
+    lines = (gsm8k.PROJECT_DIR / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.endswith(after)) + 1
+    block = []
+    for line in lines[start:]:
+        if line.strip() and not line.startswith("    "):
+            break
+        if line.strip():
+            block.append(line[4:])
+    return block
+
+
 def verdict_row(report: str, arm: str) -> list[str]:
     (row,) = [
         line
@@ -256,8 +269,10 @@ def test_end_to_end_against_a_local_server(tmp_path, capsys):
     }
 
     code, report, _ = compare(tmp_path, capsys)
-    print(report)  # shown with -s: the report of the e2e run
     assert code == 1
+    # The README shows this run's tables as what `make gsm8k-compare` prints.
+    tables = [line for line in report.splitlines() if line.startswith("|")]
+    assert tables == readme_block("`make gsm8k-compare` prints:")
     assert verdict_row(report, "fi-noep")[1:4] == ["15", "0", "0"]
     assert verdict_row(report, "fi-noep")[-1] == "non-inferior"
     assert verdict_row(report, "mega-sp")[1:4] == ["15", "15", "0"]

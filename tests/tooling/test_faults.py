@@ -194,8 +194,7 @@ def test_apply_reaches_a_named_state_after_a_fault_at_each_operation(
         return "status 5"
 
     ops = sweep.run(check)
-    report("apply", ops, sweep)
-    assert sweep.tally["kill", "status 5"] > 0, "no kill landed mid-transaction"
+    assert_swept(ops, sweep, {"pristine", "applied", "status 5"})
 
 
 def test_revert_force_keeps_the_edit_after_a_fault_at_each_operation(
@@ -257,22 +256,19 @@ def test_revert_force_keeps_the_edit_after_a_fault_at_each_operation(
         return "status 5"
 
     ops = sweep.run(check)
-    report("revert --force", ops, sweep)
-    assert sweep.tally["kill", "status 5"] > 0, "no kill landed mid-transaction"
+    assert_swept(ops, sweep, {"as it was", "pristine", "status 5"})
 
 
-def report(command: str, ops: list[str], sweep: Sweep) -> None:
-    """One line for the log: operations x kinds, and the end states."""
-    kinds = Counter(ops)
-    states = Counter()
-    for (_, state), count in sweep.tally.items():
-        states[state] += count
-    print(
-        f"\n{command}: {len(ops)} operations ({dict(kinds)}) x "
-        f"{len(faults.KINDS)} fault kinds = {sum(states.values())} runs; "
-        f"end states {dict(states)}; by kind {dict(sweep.tally)}; "
-        f"{len(sweep.recovered)} distinct stopped states recovered"
+def assert_swept(ops: list[str], sweep: Sweep, states: set[str]) -> None:
+    """The sweep reached every end state in ``states``, and every fault kind
+    stopped a run part-way (status 5) at least once."""
+    summary = (
+        f"{len(ops)} operations ({dict(Counter(ops))}) x {len(faults.KINDS)} "
+        f"fault kinds; end states by kind {dict(sweep.tally)}"
     )
+    assert {state for _, state in sweep.tally} == states, summary
+    stopped = {kind for kind, state in sweep.tally if state == "status 5"}
+    assert stopped == set(faults.KINDS), "a fault kind never landed mid-run: " + summary
 
 
 def test_real_series_killed_mid_transaction_is_reverted_to_pristine(target, tmp_path):
