@@ -104,7 +104,7 @@ nccl-bench: setup
 
 SERVE_PYTHON ?= $(abspath $(VPY))
 serve:
-	python3 eval/serve.py --arm "$(ARM)" --node-rank "$(NODE_RANK)" \
+	python3 -m eval.serve --arm "$(ARM)" --node-rank "$(NODE_RANK)" \
 		--model "$(MODEL)" --master-addr "$(MASTER_ADDR)" --host-ip "$(HOST_IP)" \
 		--deepgemm "$(DEEPGEMM)" --python "$(SERVE_PYTHON)" $(if $(RUN),--run)
 

@@ -25,6 +25,12 @@ Exit codes:
          ``apply`` or ``revert`` finishes it
     6    ``status``: applied from a different revision of the patch set
     130  interrupted (Ctrl-C); ``status`` says where it stopped
+
+Other programs read ``status --json``: one JSON object whose schema
+``status()`` documents (``schema_version`` 1).  Python code imports this
+file and uses only the names in ``__all__``; each takes ``target`` and
+``patch_set`` as ``--target`` and ``--patch-set`` do.  The patch set names
+the vLLM version it applies to in ``patches/base.version``.
 """
 
 from __future__ import annotations
@@ -57,6 +63,27 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+__all__ = [
+    "DRIFT_SUFFIX",
+    "EXIT_CTRL_C",
+    "EXIT_DRIFT",
+    "EXIT_ERROR",
+    "EXIT_INTERRUPTED",
+    "EXIT_NOT_APPLIED",
+    "EXIT_OK",
+    "EXIT_OTHER_REVISION",
+    "STATE_DIR",
+    "STATUS_SCHEMA_VERSION",
+    "ApplyError",
+    "base_version",
+    "main",
+    "original_files",
+    "record_hashes",
+    "status",
+    "status_text",
+    "target_root",
+]
+
 PROJECT_DIR = Path(__file__).resolve().parent
 
 EXIT_OK = 0
@@ -75,6 +102,8 @@ TMP_SUFFIX = ".k3-sppp-tmp"
 DRIFT_SUFFIX = ".k3-sppp-drift"
 STATUS_LOCK_WAIT_S = 30.0
 MANIFEST = "base.sha256"
+BASE_VERSION = "base.version"
+STATUS_SCHEMA_VERSION = 1
 REQUIRED_HEADERS = ("Description", "Forwarded", "Drop-When", "Last-Update")
 # DEP-3: a Forwarded value other than these means "sent upstream", and then
 # names where, ideally as one URL.
@@ -93,6 +122,7 @@ GIT_IDENTITY = (
 )
 DEVTREE_BASE_TAG = "k3-sppp-base"
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_VERSION = re.compile(r"[0-9][0-9A-Za-z.+!_-]*")
 # Linux ioctl for inode flags (lsattr); immutable and append-only files
 # refuse os.replace and unlink even for root.
 _FS_IOC_GETFLAGS = 0x80086601
@@ -117,10 +147,6 @@ def say(message: str) -> None:
 
 def warn(message: str) -> None:
     print(f"apply.py: warning: {message}", file=sys.stderr, flush=True)
-
-
-def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def sha256_file(path: Path) -> str:
@@ -237,6 +263,31 @@ class PatchSet:
         for patch in self.patches:
             seen.update(dict.fromkeys(patch.files))
         return sorted(seen)
+
+    @property
+    def base_version_file(self) -> Path:
+        return self.patch_dir / BASE_VERSION
+
+    def base_version(self) -> str:
+        """The vLLM version the series applies to: ``patches/base.version``,
+        one line (``#`` lines are comments)."""
+        path = self.base_version_file
+        if not path.is_file():
+            raise ApplyError(
+                f"{path}: missing; a patch set names the vLLM version it "
+                "applies to there, in one line (e.g. 0.33.0)"
+            )
+        lines = [
+            line.strip()
+            for line in read_text(path).splitlines()
+            if line.strip() and not line.lstrip().startswith("#")
+        ]
+        if len(lines) != 1 or not _VERSION.fullmatch(lines[0]):
+            raise ApplyError(
+                f"{path}: not one version line ({lines[:3]!r}); write the vLLM "
+                "version the series applies to, e.g. 0.33.0"
+            )
+        return lines[0]
 
     def revision(self) -> str:
         """Content hash of series, patches and overlay files."""
@@ -414,6 +465,7 @@ def load_patch_set(root: Path) -> PatchSet:
     overlay = [rel for rel in overlay_export if rel.startswith("vllm/")]
     manifest = read_manifest(patch_dir / MANIFEST)
     patch_set = PatchSet(root, patches, overlay, overlay_export, manifest, problems)
+    problems += base_version_problems(patch_set)
     touched = set(patch_set.patched_files)
     if set(manifest) != touched:
         extra = sorted(set(manifest) - touched)
@@ -446,10 +498,24 @@ def require_clean(patch_set: PatchSet) -> None:
         )
 
 
-def read_pins() -> dict[str, str]:
+def base_version_problems(patch_set: PatchSet) -> list[str]:
+    """A missing or malformed ``base.version``, or a ``setup.cfg`` beside the
+    patch set whose vLLM pin (what ``make setup`` installs) says otherwise."""
+    try:
+        base = patch_set.base_version()
+    except ApplyError as e:
+        return [str(e)]
+    setup_cfg = patch_set.root / "setup.cfg"
     config = configparser.ConfigParser()
-    config.read(PROJECT_DIR / "setup.cfg")
-    return dict(config["k3_sppp"])
+    config.read(setup_cfg)
+    pinned = config.get("k3_sppp", "vllm", fallback=base)
+    if pinned != base:
+        return [
+            f"{setup_cfg}: pins vllm = {pinned}, but {patch_set.base_version_file} "
+            f"says {base}; make them agree (setup.cfg installs vLLM, base.version "
+            "is what the series applies to)"
+        ]
+    return []
 
 
 # --------------------------------------------------------------------------
@@ -509,10 +575,6 @@ class Target:
             if os.access(candidate, os.X_OK):
                 return candidate
         return None
-
-    def owner(self) -> tuple[int, int]:
-        stat = self.root.stat()
-        return stat.st_uid, stat.st_gid
 
     def adopt(self, path: Path, like: Path | None = None) -> None:
         """Give a file we created the owner of ``like`` (default: the target).
@@ -1022,32 +1084,34 @@ def not_compiling(rel: str, lineno: object, msg: str) -> ApplyError:
 # --------------------------------------------------------------------------
 
 
-def check_version(target: Target, pins: dict[str, str]) -> str | None:
+def check_version(target: Target, patch_set: PatchSet) -> str | None:
     version = target.version()
-    if version is not None and version != pins["vllm"]:
+    base = patch_set.base_version()
+    if version is not None and version != base:
         raise ApplyError(
             f"{target.root}: vLLM {version} found, the patch set is pinned to "
-            f"{pins['vllm']}; install vllm=={pins['vllm']} there, or port the "
-            "series (`python apply.py check --target ...` shows what fails)"
+            f"{base} ({patch_set.base_version_file}); install vllm=={base} there, "
+            "or port the series (`python apply.py check --target ...` shows what "
+            "fails)"
         )
     return version
 
 
-def base_drift(target: Target, patch_set: PatchSet) -> list[str]:
-    """Files whose content is not the pinned 0.33.0 base, with the reason."""
-    problems = []
+def base_drift(target: Target, patch_set: PatchSet) -> dict[str, str]:
+    """Files that are not the pinned base, each with the reason."""
+    problems = {}
     for rel in patch_set.patched_files:
         path = target.path(rel)
         if not path.is_file():
-            problems.append(f"{rel}: missing from the target")
+            problems[rel] = "missing from the target"
         elif (digest := sha256_file(path)) != patch_set.manifest.get(rel):
-            problems.append(
-                f"{rel}: SHA-256 {digest[:12]}… is not the pinned "
+            problems[rel] = (
+                f"SHA-256 {digest[:12]}… is not the pinned "
                 f"{patch_set.manifest.get(rel, '?')[:12]}…"
             )
     for rel in patch_set.overlay:
         if target.path(rel).exists():
-            problems.append(f"{rel}: exists, but the patch set adds it as a new file")
+            problems[rel] = "exists, but the patch set adds it as a new file"
     return problems
 
 
@@ -1368,7 +1432,7 @@ def undo_apply(target: Target, journal: dict, cause: BaseException) -> None:
 def cmd_apply(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
-    pins = read_pins()
+    base = patch_set.base_version()
     target = resolve_target(args.target)
     revision = patch_set.revision()
     with locked(target):
@@ -1397,13 +1461,13 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 f"{journal['started']}: {restored} file(s) restored to vLLM "
                 f"{journal['vllm_version']}"
             )
-        version = check_version(target, pins)
+        version = check_version(target, patch_set)
         if problems := base_drift(target, patch_set):
             raise ApplyError(
-                f"{target.root} is not pristine vLLM {pins['vllm']}; "
+                f"{target.root} is not pristine vLLM {base}; "
                 "nothing was written:\n  "
-                + "\n  ".join(problems)
-                + f"\nreinstall vllm=={pins['vllm']} (or restore these files) "
+                + "\n  ".join(f"{rel}: {why}" for rel, why in problems.items())
+                + f"\nreinstall vllm=={base} (or restore these files) "
                 "and apply again",
                 code=EXIT_DRIFT,
             )
@@ -1494,9 +1558,84 @@ def cmd_revert(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_status(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
-    target = resolve_target(args.target)
+def status(
+    target: str | os.PathLike[str] | None = None,
+    patch_set: str | os.PathLike[str] | None = None,
+) -> dict:
+    """Where ``target`` stands: the object ``apply.py status --json`` prints.
+
+    Reads only, waiting while another run holds the target; never raises for
+    what ``status`` reports as an error (``state`` "error"). Keys, in order
+    (``schema_version`` 1; a new key keeps the version, a changed one bumps it):
+
+    schema_version  1
+    exit_code       what ``apply.py status`` exits with (the exit codes above)
+    state           "not-applied", "applied", "applying" or "reverting" (an
+                    apply or revert stopped part-way), or "error"
+    error           the message when ``state`` is "error", else null
+    target          the directory that holds ``vllm/``; null if not found
+    vllm_version    the target's vLLM version; null if it does not say
+    patch_set       the patch-set directory compared against
+    base_version    the vLLM version that patch set applies to
+                    (``patches/base.version``); null if missing or malformed
+    revision        the patch-set revision the journal records; null when
+                    not applied
+    patch_set_revision  that patch set's revision; ``revision`` differs from
+                    it when another revision is applied (exit 6)
+    started         when the applying (or stopped) run started, UTC; null
+                    when not applied
+    patches         patch names as applied; [] when not applied
+    files           one object per vLLM file: ``path`` (relative to
+                    ``target``), ``kind`` ("patched" or "new") and ``drift``:
+                    null, or why the file is not what this state expects.
+                    Applied: the journal's files, drift "changed since
+                    apply". Not applied: the files the patch set would patch
+                    or add, drift why each is not the pinned base. Applying
+                    or reverting: the journal's files, drift null (not judged)
+    drift           the paths of ``files`` whose ``drift`` is not null
+    leftovers       paths a stopped run left in ``TARGET/.k3_sppp`` (the next
+                    apply or revert removes them; exit 5)
+    alien           paths there that k3-sppp did not write (left alone)
+    """
+    report: dict = {
+        "schema_version": STATUS_SCHEMA_VERSION,
+        "exit_code": EXIT_ERROR,
+        "state": "error",
+        "error": None,
+        "target": None,
+        "vllm_version": None,
+        "patch_set": str(Path(patch_set or PROJECT_DIR).resolve()),
+        "base_version": None,
+        "revision": None,
+        "patch_set_revision": None,
+        "started": None,
+        "patches": [],
+        "files": [],
+        "drift": [],
+        "leftovers": [],
+        "alien": [],
+    }
+    try:
+        status_of(report, as_path(target))
+    except (ApplyError, OSError) as e:
+        report["state"] = "error"
+        report["error"] = str(e)
+        report["exit_code"] = e.code if isinstance(e, ApplyError) else EXIT_ERROR
+    return report
+
+
+def as_path(path: str | os.PathLike[str] | None) -> Path | None:
+    return None if path is None else Path(path)
+
+
+def status_of(report: dict, target_path: Path | None) -> None:
+    """Fill ``report`` (see ``status``) as far as the target can be read."""
+    patch_set = load_patch_set(Path(report["patch_set"]))
+    report["patch_set_revision"] = patch_set.revision()
+    with contextlib.suppress(ApplyError):
+        report["base_version"] = patch_set.base_version()
+    target = resolve_target(target_path)
+    report["target"] = str(target.root)
     with reading(target) as lock_left:
         journal = target.read_journal()
         ours, others = target.leftovers(journal)
@@ -1504,53 +1643,103 @@ def cmd_status(args: argparse.Namespace) -> int:
             ours.append(target.lock_path)
         if journal is None and target.state_dir.is_dir() and not ours + others:
             ours.append(target.state_dir)  # empty: its run was killed early
-        say(f"target:   {target.root} (vLLM {target.version() or 'unknown'})")
-        code = status_of(target, patch_set, journal)
-    for path in ours:
-        say(f"  LEFT  {path} (of a run that was stopped; apply or revert removes it)")
-    for path in others:
-        say(f"  ALIEN {path} (not written by k3-sppp; left alone)")
+        report["vllm_version"] = target.version()
+        if journal is None:
+            state = "not-applied"
+            drift = base_drift(target, patch_set)
+            entries = [(rel, "patched") for rel in patch_set.patched_files]
+            entries += [(rel, "new") for rel in patch_set.overlay]
+        else:
+            state = journal["state"]
+            drift = {}
+            if state == "applied":
+                changed = drifted_files(target, journal)
+                drift = dict.fromkeys(changed, "changed since apply")
+            entries = [(e["path"], "patched") for e in journal["files"]]
+            entries += [(e["path"], "new") for e in journal["overlay"]]
+            report["revision"] = journal["revision"]
+            report["started"] = journal["started"]
+            report["patches"] = journal.get("patches", [])
+    if state not in ("not-applied", "applied"):
+        code = EXIT_INTERRUPTED
+    elif drift:
+        code = EXIT_DRIFT
+    elif state == "not-applied":
+        code = EXIT_NOT_APPLIED
+    elif report["revision"] != report["patch_set_revision"]:
+        code = EXIT_OTHER_REVISION
+    else:
+        code = EXIT_OK
     if ours and code in (EXIT_OK, EXIT_NOT_APPLIED, EXIT_OTHER_REVISION):
-        return EXIT_INTERRUPTED
-    return code
+        code = EXIT_INTERRUPTED
+    report["state"] = state
+    report["exit_code"] = code
+    report["files"] = [
+        {"path": rel, "kind": kind, "drift": drift.get(rel)} for rel, kind in entries
+    ]
+    report["drift"] = [rel for rel, _ in entries if rel in drift]
+    report["leftovers"] = [str(path) for path in ours]
+    report["alien"] = [str(path) for path in others]
 
 
-def status_of(target: Target, patch_set: PatchSet, journal: dict | None) -> int:
-    """Print the state of ``target`` and return ``status``'s exit code."""
-    if journal is None:
-        problems = base_drift(target, patch_set)
-        say(
+def status_text(report: dict) -> str:
+    """What ``apply.py status`` prints for ``report`` (a ``status`` object)."""
+    if report["state"] == "error":
+        return f"error: {report['error']}"
+    lines = [
+        f"target:   {report['target']} (vLLM {report['vllm_version'] or 'unknown'})"
+    ]
+    state, files = report["state"], report["files"]
+    if state == "not-applied":
+        lines.append(
             "state:    not applied"
-            + ("; base differs from the pin:" if problems else "; base matches the pin")
+            + (
+                "; base differs from the pin:"
+                if report["drift"]
+                else "; base matches the pin"
+            )
         )
-        for problem in problems:
-            say(f"  {problem}")
-        return EXIT_DRIFT if problems else EXIT_NOT_APPLIED
-    if journal["state"] != "applied":
-        say(
-            f"state:    interrupted {journal['state']} (started "
-            f"{journal['started']}); `make apply` or `make revert` finishes it"
+        lines += [f"  {f['path']}: {f['drift']}" for f in files if f["drift"]]
+    elif state != "applied":
+        lines.append(
+            f"state:    interrupted {state} (started {report['started']}); "
+            "`make apply` or `make revert` finishes it"
         )
-        return EXIT_INTERRUPTED
-    revision = patch_set.revision()
-    say(
-        f"state:    applied revision {journal['revision']} at "
-        f"{journal['started']}"
-        + (
-            ""
-            if journal["revision"] == revision
-            else f" (this checkout is {revision}: make revert && make apply)"
+    else:
+        current = report["patch_set_revision"]
+        lines.append(
+            f"state:    applied revision {report['revision']} at {report['started']}"
+            + (
+                ""
+                if report["revision"] == current
+                else f" (this checkout is {current}: make revert && make apply)"
+            )
         )
-    )
-    drift = set(drifted_files(target, journal))
-    for kind, entries in (("patched", journal["files"]), ("new", journal["overlay"])):
-        for entry in entries:
-            mark = "DRIFT" if entry["path"] in drift else "ok"
-            say(f"  {mark:<6}{kind:<8}{entry['path']}")
-    if drift:
-        say(f"{len(drift)} file(s) changed since apply")
-        return EXIT_DRIFT
-    return EXIT_OK if journal["revision"] == revision else EXIT_OTHER_REVISION
+        for f in files:
+            mark = "DRIFT" if f["drift"] else "ok"
+            lines.append(f"  {mark:<6}{f['kind']:<8}{f['path']}")
+        if report["drift"]:
+            lines.append(f"{len(report['drift'])} file(s) changed since apply")
+    lines += [
+        f"  LEFT  {path} (of a run that was stopped; apply or revert removes it)"
+        for path in report["leftovers"]
+    ]
+    lines += [
+        f"  ALIEN {path} (not written by k3-sppp; left alone)"
+        for path in report["alien"]
+    ]
+    return "\n".join(lines)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    report = status(args.target, args.patch_set)
+    if args.json:
+        say(json.dumps(report, indent=2))
+    elif report["state"] != "error":
+        say(status_text(report))
+    if report["error"] is not None:
+        print(f"apply.py status: error: {report['error']}", file=sys.stderr)
+    return report["exit_code"]
 
 
 def pristine_source(target: Target) -> Callable[[str], Path | None]:
@@ -1581,14 +1770,44 @@ def pristine_source(target: Target) -> Callable[[str], Path | None]:
     return source
 
 
+def target_root(target: str | os.PathLike[str] | None = None) -> Path:
+    """The directory that holds ``vllm/``, for ``target`` as ``--target``
+    takes it (a venv, site-packages, checkout root or the package itself;
+    default: this project's ``.venv``)."""
+    return resolve_target(as_path(target)).root
+
+
+def original_files(
+    target: str | os.PathLike[str] | None = None,
+) -> Callable[[str], Path | None]:
+    """For a path relative to ``target_root(target)``, the file that holds its
+    vLLM original: the file itself, or its backup where the patch set is
+    applied; None for an overlay file or a file the target lacks.  Raises
+    ``ApplyError`` where an apply or revert stopped part-way."""
+    return pristine_source(resolve_target(as_path(target)))
+
+
+def record_hashes(target: str | os.PathLike[str] | None = None) -> dict[str, str]:
+    """SHA-256 (hex) of every file as the target's vLLM wheel shipped it (its
+    dist-info ``RECORD``), by path relative to ``target_root(target)``."""
+    return resolve_target(as_path(target)).record_hashes()
+
+
+def base_version(patch_set: str | os.PathLike[str] | None = None) -> str:
+    """The vLLM version ``patch_set`` (default: this project) applies to, from
+    its ``patches/base.version``; ``ApplyError`` names that file if it is
+    missing or malformed."""
+    return load_patch_set(Path(patch_set or PROJECT_DIR)).base_version()
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
-    pins = read_pins()
+    base = patch_set.base_version()
     target = resolve_target(args.target)
     source = pristine_source(target)
     version = target.version()
-    say(f"target: {target.root} (vLLM {version or 'unknown'}, pinned {pins['vllm']})")
+    say(f"target: {target.root} (vLLM {version or 'unknown'}, pinned {base})")
     drift = [
         f"{rel}: differs from the pinned base"
         for rel in patch_set.patched_files
@@ -1616,19 +1835,17 @@ def cmd_check(args: argparse.Namespace) -> int:
             "nothing was written"
         )
         return EXIT_ERROR
-    if drift or version not in (None, pins["vllm"]):
+    if drift or version not in (None, base):
         say(
             "the series applies, but the base is not the pinned "
-            f"vLLM {pins['vllm']}; `apply` will refuse:"
+            f"vLLM {base}; `apply` will refuse:"
         )
-        if version not in (None, pins["vllm"]):
-            say(
-                f"  vLLM {version} is installed, the series is pinned to {pins['vllm']}"
-            )
+        if version not in (None, base):
+            say(f"  vLLM {version} is installed, the series is pinned to {base}")
         for problem in drift:
             say(f"  {problem}")
         return EXIT_DRIFT
-    say(f"the series applies cleanly to vLLM {pins['vllm']}")
+    say(f"the series applies cleanly to vLLM {base}")
     return EXIT_OK
 
 
@@ -1696,7 +1913,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"# {line}\n"
         for line in [
             f"k3-sppp revision {patch_set.revision()} against vLLM "
-            + read_pins()["vllm"],
+            + patch_set.base_version(),
             *[f"{p.name}: {p.headers['Subject']}" for p in patch_set.patches],
             "Apply from a vLLM source root with `git apply`.",
         ]
@@ -1712,16 +1929,16 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def write_manifest(patch_set: PatchSet, target: Target) -> Path:
-    pins = read_pins()
+    base = patch_set.base_version()
     version = target.version()
-    if version != pins["vllm"]:
+    if version != base:
         raise ApplyError(
-            f"{target.root}: the manifest is generated from "
-            f"vLLM {pins['vllm']}, found {version}"
+            f"{target.root}: the manifest is generated from vLLM {base} "
+            f"({patch_set.base_version_file}), found {version}"
         )
     record = target.record_hashes()
     lines = [
-        f"# SHA-256 of the vLLM {pins['vllm']} files the series patches, as",
+        f"# SHA-256 of the vLLM {base} files the series patches, as",
         "# shipped in the wheel (its dist-info RECORD). Generated by",
         "# `python apply.py manifest`; do not edit. In a pristine",
         "# site-packages, `sha256sum -c` checks them.",
@@ -1729,7 +1946,7 @@ def write_manifest(patch_set: PatchSet, target: Target) -> Path:
     for rel in patch_set.patched_files:
         if rel not in record:
             raise ApplyError(
-                f"{rel}: not in vLLM {pins['vllm']}'s RECORD; a "
+                f"{rel}: not in vLLM {base}'s RECORD; a "
                 "new file belongs in vllm_overlay/, not a patch"
             )
         lines.append(f"{record[rel]}  {rel}")
@@ -1810,7 +2027,7 @@ def cmd_devtree(args: argparse.Namespace) -> int:
         [rel for rel in rels if rel not in overlay and source(rel) is not None],
     )
     make_repo(repo)
-    commit_all(repo, f"vLLM {read_pins()['vllm']} sources")
+    commit_all(repo, f"vLLM {patch_set.base_version()} sources")
     git(["tag", DEVTREE_BASE_TAG], repo)
     for patch in patch_set.patches:
         proc = git(
@@ -1929,7 +2146,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="restore even if the target's vLLM version is not the one the "
         "patch set was applied to",
     )
-    add("status", cmd_status, "what is applied where, and any drift")
+    add("status", cmd_status, "what is applied where, and any drift").add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON object instead (schema: apply.status.__doc__, README)",
+    )
     add("check", cmd_check, "dry run: name every patch and hunk that fails")
     add(
         "export", cmd_export, "one unified diff for an upstream pull request"

@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The upstream pull request's prefill sweep per serving arm, and its report.
 
-    python3 -m eval.bench run --arm mega-sp --base-url http://head:8691 \\
+    .venv/bin/python -m eval.bench run --arm mega-sp --base-url http://head:8691 \\
         --model Kimi-K3 --tokenizer /models/Kimi-K3 [--points 128x1,8192x4]
-    python3 -m eval.bench report
+    .venv/bin/python -m eval.bench report
+
+from this checkout's root (``make bench`` and ``make bench-report`` run
+these): ``run`` takes ``vllm`` from beside the interpreter unless ``--vllm``
+names one, and ``report`` plots with matplotlib.
 
 ``run`` runs ``vllm bench serve`` once per point with the pull request's
 flags (``bench_command``), saving each result as ``in<L>-c<C>.json`` under

@@ -1,9 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """GSM8K per serving arm with lm-eval, and a paired verdict across arms.
 
-    python3 eval/gsm8k.py run --arm mega-sp --base-url http://head:8691 \\
+    .venv/bin/python -m eval.gsm8k run --arm mega-sp --base-url http://head:8691 \\
         --model Kimi-K3 [--limit 200] [--data DIR]
-    python3 eval/gsm8k.py compare [--baseline fi-ep]
+    .venv/bin/python -m eval.gsm8k compare [--baseline fi-ep]
+
+from this checkout's root (``make gsm8k`` and ``make gsm8k-compare`` run
+these), with the interpreter that has lm-eval and scipy: ``run`` starts
+lm-eval with it.
 
 ``run`` checks that the server answers ``/v1/models`` with the model, then
 runs lm-eval's ``gsm8k`` task (5-shot, greedy) through ``local-completions``

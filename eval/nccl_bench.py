@@ -46,8 +46,10 @@ command, every repetition) and a Markdown table built from that JSON alone
     python -m torch.distributed.run --nproc-per-node 4 eval/nccl_bench.py \\
         --part handoff --tp 2
 
-On CPU it runs the same code over gloo (host clock instead of CUDA events),
-which is how the tests keep it honest without a GPU.
+with ``python`` an interpreter that has PyTorch (``make nccl-bench`` uses
+``.venv``'s); the script needs nothing else of this checkout. On CPU it runs
+the same code over gloo (host clock instead of CUDA events), which is how the
+tests keep it honest without a GPU.
 """
 
 from __future__ import annotations
@@ -593,7 +595,7 @@ def peak_part(args, pair: Group, clock: Clock, device) -> dict:
     result["peer_copy"] = result["local_copy"] = None
     result["peer_access"] = None
     if clock.cuda and torch.cuda.device_count() >= 2 and rank == 0:
-        result |= copies(args, payload, clock)
+        result |= copies(args, payload)
     clock.align(pair)
     # Rank 0 alone timed the copies; every rank writes the same report.
     shared = [result if rank == 0 else None]
@@ -601,7 +603,7 @@ def peak_part(args, pair: Group, clock: Clock, device) -> dict:
     return shared[0]
 
 
-def copies(args, payload: torch.Tensor, clock: Clock) -> dict:
+def copies(args, payload: torch.Tensor) -> dict:
     """Peer copy to the next GPU and a copy inside this one, host-timed
     around ``M`` back-to-back copies with both devices synchronised."""
     nbytes = payload.numel()

@@ -7,32 +7,11 @@ from __future__ import annotations
 import datetime
 import platform
 import subprocess
-import sys
 from pathlib import Path
 
+import apply
+
 PROJECT_DIR = Path(__file__).resolve().parent.parent
-
-# apply.py status exit codes (see its docstring).
-STATUS = {
-    0: "applied (this revision)",
-    1: "error",
-    3: "not applied",
-    4: "drift",
-    5: "interrupted",
-    6: "applied (another revision)",
-}
-
-
-def patch_set_state(target: str | None = None) -> dict:
-    """``apply.py status`` of ``target`` (default: this project's .venv)."""
-    command = [sys.executable, str(PROJECT_DIR / "apply.py"), "status"]
-    if target:
-        command += ["--target", target]
-    proc = subprocess.run(command, capture_output=True, text=True)
-    return {
-        "state": STATUS.get(proc.returncode, f"exit {proc.returncode}"),
-        "report": (proc.stdout + proc.stderr).strip().splitlines(),
-    }
 
 
 def checkout() -> dict:
@@ -51,9 +30,11 @@ def checkout() -> dict:
 
 
 def provenance(target: str | None = None) -> dict:
+    """``patch_set`` is ``apply.py status --json`` of ``target`` (default:
+    this project's .venv)."""
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "k3_sppp": checkout(),
-        "patch_set": patch_set_state(target),
+        "patch_set": apply.status(target),
     }

@@ -1,10 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 """Print, check and start one serving arm's `vllm serve` command on one node.
 
-    python3 eval/serve.py --arm mega-sp --node-rank 0 --model /models/Kimi-K3 \\
+    python3 -m eval.serve --arm mega-sp --node-rank 0 --model /models/Kimi-K3 \\
         --master-addr 10.0.0.1 --host-ip 10.0.0.1 --deepgemm /opt/DeepGEMM
 
-prints the command (environment included) as the arms file defines it for
+(from this checkout's root, with any Python 3.11 or newer; ``make serve``
+runs it) prints the command (environment included) as the arms file defines it for
 that node, after checking that the vLLM of ``--python`` defines every
 ``VLLM_*`` variable the arm sets (vLLM itself only warns about the others, and
 runs as if they were unset); ``--run`` first checks what the node needs (vLLM
@@ -26,6 +27,8 @@ import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+
+import apply
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 ARMS_FILE = PROJECT_DIR / "eval" / "arms.toml"
@@ -118,8 +121,8 @@ class ServeCommand:
         return " \\\n".join(lines)
 
 
-def load_arms(path: Path = ARMS_FILE) -> tuple[dict, dict[str, Arm]]:
-    with open(path, "rb") as f:
+def load_arms() -> tuple[dict, dict[str, Arm]]:
+    with open(ARMS_FILE, "rb") as f:
         data = tomllib.load(f)
     arms = {
         name: Arm(
@@ -134,12 +137,14 @@ def load_arms(path: Path = ARMS_FILE) -> tuple[dict, dict[str, Arm]]:
     flags = {words[0] for words in data["serve"]["args"]}
     for arm in arms.values():
         if unknown := sorted(set(arm.drop) - flags):
-            raise ServeError(f"{path}: arm {arm.name} drops unknown flags {unknown}")
+            raise ServeError(
+                f"{ARMS_FILE}: arm {arm.name} drops unknown flags {unknown}"
+            )
     return data["serve"], arms
 
 
-def get_arm(name: str, path: Path = ARMS_FILE) -> Arm:
-    _, arms = load_arms(path)
+def get_arm(name: str) -> Arm:
+    _, arms = load_arms()
     if name not in arms:
         raise ServeError(f"unknown arm {name!r}: set ARM= to one of {sorted(arms)}")
     return arms[name]
@@ -154,12 +159,10 @@ def fill(text: str, values: dict[str, str]) -> str:
     )
 
 
-def build(
-    arm_name: str, values: dict[str, str], path: Path = ARMS_FILE
-) -> ServeCommand:
+def build(arm_name: str, values: dict[str, str]) -> ServeCommand:
     """The arm's command for one node; ``values`` fills the placeholders."""
-    serve, arms = load_arms(path)
-    arm = get_arm(arm_name, path)
+    serve, _ = load_arms()
+    arm = get_arm(arm_name)
     if missing := [k for k in PLACEHOLDERS if not str(values.get(k, "")).strip()]:
         raise ServeError(
             "missing "
@@ -258,22 +261,12 @@ def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
         return [no_vllm(python, last_line(probe, "not found"))]
     vllm_dir = probe.stdout.strip().splitlines()[-1]
     if arm.needs_patch_set:
-        status = subprocess.run(
-            [
-                sys.executable,
-                str(PROJECT_DIR / "apply.py"),
-                "status",
-                "--target",
-                vllm_dir,
-            ],
-            capture_output=True,
-            text=True,
-        )
-        if status.returncode != 0:
+        status = apply.status(vllm_dir)
+        if status["exit_code"] != apply.EXIT_OK:
             problems.append(
                 f"arm {arm.name} needs the k3-sppp patch set applied to {vllm_dir} "
-                f"(apply.py status exit {status.returncode}): run "
-                f"`make apply VLLM={vllm_dir}`\n{status.stdout.strip()}"
+                f"(apply.py status exit {status['exit_code']}): run "
+                f"`make apply VLLM={vllm_dir}`\n{apply.status_text(status)}"
             )
     env = served_env(command)
     if MEGA_MOE_BACKEND in (flag_value(command, "--kernel-config") or ""):

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import apply
 from eval import gsm8k
 from tests.eval.fake_openai import gsm8k_answerer, serving
 from tests.eval.test_serve import SERVED_ENV
@@ -85,6 +86,19 @@ def compare(root: Path, capsys, baseline: str = "fi-ep") -> tuple[int, str, str]
     code = gsm8k.main(["--results", str(root), "compare", "--baseline", baseline])
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def readme_block(after: str) -> list[str]:
+    """The README's indented block that follows the line ending in ``after``."""
+    lines = (gsm8k.PROJECT_DIR / "README.md").read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.endswith(after)) + 1
+    block = []
+    for line in lines[start:]:
+        if line.strip() and not line.startswith("    "):
+            break
+        if line.strip():
+            block.append(line[4:])
+    return block
 
 
 def verdict_row(report: str, arm: str) -> list[str]:
@@ -252,11 +266,12 @@ def test_end_to_end_against_a_local_server(tmp_path, capsys):
         assert "Requesting API" in result.stderr  # lm-eval's progress
 
     manifest = json.loads((tmp_path / "mega-sp" / "manifest.json").read_text())
+    assert manifest["patch_set"] == apply.status()  # .venv, applied by make test
     assert manifest["served_vllm_version"] == "0.33.0"
     assert manifest["lm_eval"]["version"] == "0.4.13"
     assert "--kernel-config" in manifest["serve_command"]
     assert manifest["serve_env"] == SERVED_ENV
-    assert manifest["patch_set"]["state"] == "applied (this revision)"
+    assert manifest["patch_set"]["exit_code"] == apply.EXIT_OK
     assert manifest["data"] == str(DATA.resolve())
     assert "tokenized_requests=False" in " ".join(manifest["lm_eval"]["args"])
     run = gsm8k.load_arm(tmp_path / "fi-ep")
@@ -270,6 +285,9 @@ def test_end_to_end_against_a_local_server(tmp_path, capsys):
 
     code, report, _ = compare(tmp_path, capsys)
     assert code == 1, report
+    # The README shows this run's tables as what `make gsm8k-compare` prints.
+    tables = [line for line in report.splitlines() if line.startswith("|")]
+    assert tables == readme_block("`make gsm8k-compare` prints:")
     assert verdict_row(report, "fi-noep")[1:4] == ["15", "0", "0"]
     assert verdict_row(report, "fi-noep")[-1] == "non-inferior"
     assert verdict_row(report, "mega-sp")[1:4] == ["15", "15", "0"]

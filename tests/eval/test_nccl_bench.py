@@ -6,8 +6,10 @@ whose JSON the tables are rebuilt from."""
 from __future__ import annotations
 
 import copy
+import datetime
 import json
 import os
+import platform
 import statistics
 import subprocess
 import sys
@@ -218,41 +220,76 @@ def launch(tmp_path_factory):
     return out
 
 
+BF16 = 2  # bytes per element: the launch runs the default --dtype bf16
+
+
 def measurements(report: dict):
+    """Every measurement, with the bytes it moves and its bus factor as
+    nccl-tests defines them: an all-gather of ``n`` ranks counts its whole
+    output and ``(n-1)/n``, a send its payload and 1."""
     for pt in report["gather"]["points"]:
-        yield from (pt["packed"], pt["separate"], pt["packed_nocopy"])
+        gathered = (pt["k"] + 1) * 2 * pt["rows_per_rank"] * HIDDEN * BF16
+        for name in ("packed", "separate", "packed_nocopy"):
+            yield pt[name], gathered, 1 / 2
     for pt in report["components"]["points"]:
-        yield from (pt["send"], pt["all_gather"])
+        pair = 2 * pt["rows_per_rank"] * HIDDEN * BF16  # hidden states + residual
+        yield pt["send"], pair, 1
+        yield pt["all_gather"], 2 * pair, 1 / 2
     for pt in report["handoff"]["points"]:
-        yield from (pt["sp"], pt["replicated"])
-    yield from (report["peak"]["nccl_send"], report["peak"]["all_gather"])
+        pair = 2 * pt["rows_per_rank"] * HIDDEN * BF16
+        yield pt["sp"], pair, 1
+        yield pt["replicated"], pair, 1
+    yield report["peak"]["nccl_send"], 2**20, 1
+    yield report["peak"]["all_gather"], 2**20, 1 / 2
 
 
 def test_the_json_keeps_every_repetition_and_its_summary(launch):
     report = json.loads((launch / "run.json").read_text())
-    for m in measurements(report):
+    for m, nbytes, bus_factor in measurements(report):
         assert len(m["per_rank_us"][0]) == REPS and len(m["reps_us"]) == REPS
         assert m["reps_us"] == [max(col) for col in zip(*m["per_rank_us"], strict=True)]
         assert m["median_us"] == statistics.median(m["reps_us"])
         assert (m["min_us"], m["max_us"]) == (min(m["reps_us"]), max(m["reps_us"]))
-        assert m["algbw_GBps"] == pytest.approx(m["bytes"] / m["median_us"] / 1e3)
-        assert m["busbw_GBps"] == pytest.approx(m["algbw_GBps"] * m["bus_factor"])
+        assert m["min_us"] > 0
+        assert (m["bytes"], m["bus_factor"]) == (nbytes, bus_factor)
+        assert m["algbw_GBps"] == pytest.approx(nbytes / m["median_us"] / 1e3)
+        assert m["busbw_GBps"] == pytest.approx(m["algbw_GBps"] * bus_factor)
         assert 2 <= m["iters"] <= 4
-    assert [len(m["per_rank_us"]) for m in measurements(report)] == (
+    assert [len(m["per_rank_us"]) for m, _, _ in measurements(report)] == (
         [2] * 12 + [2] * 4 + [4] * 4 + [2] * 2
     )
 
 
 def test_the_json_carries_what_the_tables_read(launch):
-    report = json.loads((launch / "run.json").read_text())
-    assert (
-        report["setup"] | {"world": 4, "tp": 2, "pp": 2, "backend": "gloo"}
-        == (report["setup"])
-    )
+    written = launch / "run.json"
+    report = json.loads(written.read_text())
+    assert report["setup"] == {
+        "world": 4,
+        "tp": 2,
+        "pp": 2,
+        "dtype": "bf16",
+        "hidden": HIDDEN,
+        "backend": "gloo",
+        "timing": "host clock",
+        "reps": REPS,
+        "target_ms": 1.0,
+        "warmup": 2,
+        "min_iters": 2,
+        "max_iters": 4,
+        "tokens": [1, 17],
+        "aux": [1, 3],
+        "producer": False,
+    }
     assert report["command"].endswith("--name run --out " + str(launch))
     assert "NCCL_NVLS_ENABLE=0" in report["command"]
     assert report["versions"]["torch"] == torch.__version__
-    assert report["device"]["name"] and report["date"]
+    assert report["device"] == {
+        "name": platform.processor() or platform.machine() or "cpu"
+    }
+    # Written in UTC, at whole seconds, during the launch (at most its 240 s).
+    date = datetime.datetime.fromisoformat(report["date"])
+    assert date.utcoffset() == datetime.timedelta(0)
+    assert 0 <= written.stat().st_mtime - date.timestamp() < 240
     assert report["link_peak_source"] == "nccl_send"
     assert report["link_peak_GBps"] == report["peak"]["nccl_send"]["busbw_GBps"]
     gather = report["gather"]
@@ -264,6 +301,7 @@ def test_the_json_carries_what_the_tables_read(launch):
     ]
     for p in gather["points"]:
         assert p["packed_bytes_per_rank"] == (p["k"] + 1) * p["rows_per_rank"] * 16
+        assert p["gathered_bytes"] == 2 * p["packed_bytes_per_rank"]
         assert p["packed_over_separate"] == (
             p["packed"]["median_us"] / p["separate"]["median_us"]
         )

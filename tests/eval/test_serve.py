@@ -228,7 +228,8 @@ def serve_cli(python: str, *extra: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [
             sys.executable,
-            "eval/serve.py",
+            "-m",
+            "eval.serve",
             "--arm",
             "mega-sp",
             "--node-rank",

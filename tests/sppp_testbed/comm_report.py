@@ -26,11 +26,10 @@ def patch_state() -> str:
     """Which vLLM the ranks ran, and whether the patch set was applied."""
     import vllm
 
-    target = apply.resolve_target(Path(vllm.__file__).parent)
-    journal = target.read_journal()
+    report = apply.status(Path(vllm.__file__).parent)
     applied = (
-        f"k3-sppp revision {journal['revision']} applied"
-        if journal and journal["files"] + journal["overlay"]
+        f"k3-sppp revision {report['revision']} applied"
+        if report["state"] == "applied"
         else "unpatched"
     )
     return f"vLLM {vllm.__version__}, {applied}"

@@ -17,13 +17,12 @@ import apply
 
 def link_pristine_vllm(dest: Path) -> Path:
     """Build the tree under ``dest``; return the directory to put on sys.path."""
-    target = apply.resolve_target(None)
-    source = apply.pristine_source(target)
-    package = target.root / "vllm"
-    for directory, subdirs, files in os.walk(package):
+    root = apply.target_root()
+    source = apply.original_files(root)
+    for directory, subdirs, files in os.walk(root / "vllm"):
         subdirs[:] = [d for d in subdirs if d != "__pycache__"]
         for name in files:
-            rel = str((Path(directory) / name).relative_to(target.root))
+            rel = str((Path(directory) / name).relative_to(root))
             original = source(rel)
             if original is None:
                 continue  # an overlay file: not part of vLLM 0.33.0

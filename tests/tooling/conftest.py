@@ -40,17 +40,20 @@ def tree_digest(root: Path) -> dict[str, str]:
 
 
 def build_pristine(dest: Path) -> None:
-    venv = apply.resolve_target(None)
-    record = venv.record_hashes()
-    source = apply.pristine_source(venv)
-    version = apply.read_pins()["vllm"]
+    root = apply.target_root()
+    record = apply.record_hashes(root)
+    source = apply.original_files(root)
+    version = apply.base_version()
     wanted = [rel for rel in record if rel.startswith("vllm/") and rel.endswith(".py")]
     wanted += [f"vllm-{version}.dist-info/{name}" for name in ("METADATA", "RECORD")]
     for rel in wanted:
-        src = source(rel) if rel.startswith("vllm/") else venv.path(rel)
+        src = source(rel) if rel.startswith("vllm/") else root / rel
         if src is None:
-            raise RuntimeError(f"{rel}: missing from {venv.root}")
-        if rel in record and apply.sha256_file(src) != record[rel]:
+            raise RuntimeError(f"{rel}: missing from {root}")
+        if (
+            rel in record
+            and hashlib.sha256(src.read_bytes()).hexdigest() != record[rel]
+        ):
             raise RuntimeError(
                 f"{src}: not the file the vLLM {version} "
                 "wheel ships (RECORD); reinstall it"
@@ -85,7 +88,7 @@ def file_signatures(root: Path) -> dict[str, tuple[int, int, int, int]]:
 
 @pytest.fixture(scope="session")
 def pristine_cache() -> Iterator[Path]:
-    version = apply.read_pins()["vllm"]
+    version = apply.base_version()
     cache = CACHE / f"pristine-vllm-{version}"
     if not cache.is_dir():
         CACHE.mkdir(exist_ok=True)
