@@ -2,7 +2,8 @@
 """Distributed tests run vLLM's distributed layer on the CPU, over gloo.
 
 Ranks are forked from a fork server per vLLM tree that imports the model
-stack once; the installed tree's starts while the tests are collected. Pools
+stack once; the servers start while the tests are collected, and this
+package's tests run last, so the imports overlap the other tests. Pools
 live as long as this package's tests, one per topology (tests pick theirs
 with ``topologies``), with at most ``MAX_LIVE_RANKS`` rank processes alive at
 once. The single-process reference is memoised per scenario.
@@ -24,24 +25,39 @@ from tests.sppp_testbed.pristine import link_pristine_vllm  # noqa: E402
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step  # noqa: E402
 
 PRISTINE_VLLM = pytest.StashKey[str]()
+# What the ranks print (vLLM's start-up lines, a crash's last words): one
+# file for the session, named in the summary when a test failed.
+RANK_OUTPUT = os.path.join(tempfile.gettempdir(), f"k3-sppp-ranks-{os.getpid()}.log")
 
 
 def pytest_configure(config):
     """Start the fork server now: it imports while the tests are collected."""
     if not config.option.collectonly:
-        start_fork_server()
+        start_fork_server(output=RANK_OUTPUT)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus):
+    if not os.path.exists(RANK_OUTPUT):
+        return
+    if exitstatus:
+        terminalreporter.write_line(f"rank processes printed to {RANK_OUTPUT}")
+    else:
+        os.remove(RANK_OUTPUT)
 
 
 def pytest_collection_modifyitems(config, items):
-    """If a selected test compares with pristine vLLM, link that tree and
-    start its fork server now, so its import overlaps the tests before."""
+    """Run this package's tests after the others, so the fork servers import
+    while those run; if a selected test compares with pristine vLLM, link
+    that tree and start its fork server now too."""
     if config.option.collectonly:
         return
+    here = Path(__file__).parent
+    items.sort(key=lambda item: here in item.path.parents)  # stable
     if any("pristine_vllm" in item.fixturenames for item in items):
         root = tempfile.mkdtemp(prefix="k3-sppp-pristine-vllm-")
         config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
         config.stash[PRISTINE_VLLM] = str(link_pristine_vllm(Path(root)))
-        start_fork_server(config.stash[PRISTINE_VLLM])
+        start_fork_server(config.stash[PRISTINE_VLLM], output=RANK_OUTPUT)
 
 
 @pytest.fixture(scope="session")

@@ -56,13 +56,15 @@ class RankFailure(AssertionError):
 _fork_servers: dict[str | None, forkserver.ForkServer] = {}
 
 
-def start_fork_server(vllm_root: str | None = None) -> None:
+def start_fork_server(vllm_root: str | None = None, output: str | None = None) -> None:
     """Start the fork server of ranks importing vLLM from ``vllm_root``
     (``None``: the installed vLLM) unless it runs already.
 
     It returns at once: the server imports ``FORK_SERVER_PRELOAD`` in the
     background, and the first rank forked from it waits for that. Called
-    early, the import overlaps whatever the caller does next.
+    early, the import overlaps whatever the caller does next. ``output`` is a
+    file for what the server and its ranks print (default: this process's
+    stdout and stderr).
     """
     if vllm_root in _fork_servers:
         return
@@ -75,13 +77,35 @@ def start_fork_server(vllm_root: str | None = None) -> None:
     if vllm_root is not None:  # the server's own imports come from the tree
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (vllm_root, saved)))
     try:
-        server.ensure_running()
+        with _printing_to(output):
+            server.ensure_running()
     finally:
         if saved is None:
             os.environ.pop("PYTHONPATH", None)
         else:
             os.environ["PYTHONPATH"] = saved
     _fork_servers[vllm_root] = server
+
+
+@contextlib.contextmanager
+def _printing_to(output: str | None) -> Iterator[None]:
+    """Processes started in this block print to ``output``."""
+    if output is None:
+        yield
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(output, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for descriptor in (fd, *saved):
+            os.close(descriptor)
 
 
 @contextlib.contextmanager
