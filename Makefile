@@ -94,7 +94,7 @@ pr-diff: setup
 	$(APPLY) export $(TARGET) -o build/k3-sppp-vllm-$(call pin,vllm).diff
 
 comm-report: setup
-	$(VPY) -m tests.sppp_testbed.comm_report $(COMM_ARGS)
+	$(VPY) -m eval.comm_report $(COMM_ARGS)
 
 NPROC ?= 4
 nccl-bench: setup

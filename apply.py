@@ -1980,7 +1980,7 @@ def series_prefix_problem(patch_set: PatchSet, target: Target) -> str | None:
             prefix = f"patches/series: the first {number} patch(es), up to {patch.name}"
             if failures := apply_patch(stage, patch):
                 return (
-                    f"{prefix}, do not apply to vLLM {read_pins()['vllm']}: "
+                    f"{prefix}, do not apply to vLLM {patch_set.base_version()}: "
                     + "; ".join(failures)
                     + " does not apply; move the patch after the one it needs"
                 )

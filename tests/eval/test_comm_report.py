@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eval.comm_report import end_gather_path
 from tests.sppp_testbed.accounting import CommLedger
-from tests.sppp_testbed.comm_report import end_gather_path
 from tests.sppp_testbed.stages import StageResult
 
 LIMIT = 41_943_040

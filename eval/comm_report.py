@@ -1,10 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """Print what one step of the tiny Kimi K3 communicates, per rank and phase.
 
-    python -m tests.sppp_testbed.comm_report --tp 2 --pp 2 --tokens 17 --sp \
+    .venv/bin/python -m eval.comm_report --tp 2 --pp 2 --tokens 17 --sp \
         --aux 0,2,3
 
-Runs the scenario on real ranks (CPU, gloo) and prints Markdown: a table of
+(``make comm-report COMM_ARGS=...`` from the checkout root.) A user tool on
+the test bed of ``tests/sppp_testbed``: it runs the scenario on that bed's
+real ranks (CPU, gloo) and prints Markdown: a table of
 calls and bytes per rank, phase and operation, and a table of every tensor
 that crosses a PP boundary with the shape that actually travels. Bytes are
 float64 here; multiply by 1/4 for bf16.
