@@ -40,6 +40,13 @@ from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
+try:  # what the patched worker asks at each hand-off
+    from vllm.model_executor.models.interfaces import get_pp_all_gather_overrides
+except ImportError:  # pristine vLLM (non-regression runs) sends as 0.33.0 does
+
+    def get_pp_all_gather_overrides(model: torch.nn.Module) -> None:
+        return None
+
 
 @dataclass(frozen=True)
 class Scenario:
@@ -184,11 +191,6 @@ BATCH_FAULTS = {
 }
 
 
-def transport_overrides(model: torch.nn.Module) -> dict[str, bool] | None:
-    overrides = getattr(model, "get_pp_intermediate_tensor_all_gather_overrides", None)
-    return overrides() if overrides is not None else None
-
-
 # The legacy runner's persistent receive buffers: max_num_tokens rows.
 RUNNER_CAPACITY = 128
 
@@ -245,7 +247,7 @@ def run_step(scenario: Scenario) -> StageResult:
         if scenario.fault in FAULTS:
             FAULTS[scenario.fault](model)
         ledger.watch_stage(model)
-        overrides = transport_overrides(model)
+        overrides = get_pp_all_gather_overrides(model)
         result = StageResult(
             model.use_sequence_parallel,
             (model.start_layer, model.end_layer),
