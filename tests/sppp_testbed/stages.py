@@ -1,12 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """One step of the tiny Kimi K3 across PP stages, chained as vLLM chains them.
 
-As ``GPUWorker.execute_model`` does: non-first stages ``irecv_tensor_dict``
+As ``Worker.execute_model`` does: non-first stages ``irecv_tensor_dict``
 into an ``AsyncIntermediateTensors``, non-last stages ``isend_tensor_dict``
 their output, both with the TP group as ``all_gather_group`` and the model's
-transport overrides as ``all_gather_tensors`` when it has them (DESIGN
-contract 4). Middle stages relay earlier stages' aux hidden states with the
-V2 runner's own ``PPHandler.relay_aux_hidden_states``.
+transport overrides as ``all_gather_tensors`` when it has them (contract 4
+in docs/architecture.md, "The contracts"). Middle stages relay earlier
+stages' aux hidden states with the V2 runner's own
+``PPHandler.relay_aux_hidden_states``.
 """
 
 from __future__ import annotations
