@@ -9,6 +9,7 @@ rules over the applied files find such names without running them.
 
 from __future__ import annotations
 
+import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,12 @@ def test_applied_files_define_every_name_they_use():
     assert "vllm/v1/worker/gpu/model_runner.py" in paths
     proc = pyflakes(Path(report["target"]), *paths)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_applied_files_import_on_the_cpu():
+    for entry in apply.status()["files"]:
+        module = entry["path"].removesuffix(".py").replace("/", ".")
+        assert importlib.import_module(module).__file__.endswith(entry["path"])
 
 
 def test_a_name_only_a_gpu_path_uses_is_caught(tmp_path):
