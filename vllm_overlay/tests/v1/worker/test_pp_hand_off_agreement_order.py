@@ -19,8 +19,8 @@ class Refused(Exception):
 def test_hand_off_agreement_is_checked_before_any_warm_up_forward(monkeypatch):
     calls: list[str] = []
 
-    def check(vllm_config, model):
-        calls.append(f"check({vllm_config}, {model})")
+    def check(vllm_config, model, model_runner):
+        calls.append(f"check({vllm_config}, {model}, {model_runner.name})")
         raise Refused
 
     def record(name):
@@ -30,6 +30,7 @@ def test_hand_off_agreement_is_checked_before_any_warm_up_forward(monkeypatch):
     monkeypatch.setattr(gpu_worker, "kernel_warmup", record("kernel_warmup"))
     monkeypatch.setattr(gpu_worker, "warmup_kernels", record("warmup_kernels"))
     runner = types.SimpleNamespace(
+        name="runner",
         _dummy_run=record("_dummy_run"),
         capture_model=record("capture_model"),
         get_model=lambda: "model",
@@ -39,4 +40,4 @@ def test_hand_off_agreement_is_checked_before_any_warm_up_forward(monkeypatch):
     )
     with pytest.raises(Refused):
         gpu_worker.Worker._compile_or_warm_up_model(worker)
-    assert calls == ["check(config, model)"]
+    assert calls == ["check(config, model, runner)"]
