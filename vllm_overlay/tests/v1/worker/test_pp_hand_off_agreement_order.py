@@ -1,9 +1,11 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The GPU worker compares PP stages' hand-off settings before anything in
-compile/warm-up runs a forward: the V2 kernel warm-up already runs real PP
-steps through the worker's ``execute_model``, so a later check would come
-after the hang it is there to prevent."""
+"""The GPU worker compares PP stages' hand-off settings before the first PP
+send or receive: the V2 kernel warm-up runs real PP steps through the
+worker's ``execute_model``, so a later check would come after the hang it is
+there to prevent. Memory and graph profiling (``profile_run``,
+``profile_cudagraph_memory``) run before it, but each stage alone: their
+dummy runs neither send nor receive."""
 
 import types
 
@@ -16,7 +18,7 @@ class Refused(Exception):
     pass
 
 
-def test_hand_off_agreement_is_checked_before_any_warm_up_forward(monkeypatch):
+def test_hand_off_agreement_is_checked_before_the_first_pp_send_or_recv(monkeypatch):
     calls: list[str] = []
 
     def check(vllm_config, model, model_runner):
