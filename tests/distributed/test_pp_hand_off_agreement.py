@@ -27,7 +27,10 @@ from vllm.platforms import current_platform
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.worker import pp_hand_off_agreement
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
-from vllm.v1.worker.pp_hand_off_agreement import check_pp_hand_off_agreement
+from vllm.v1.worker.pp_hand_off_agreement import (
+    check_aux_layers_on_the_last_stage,
+    check_pp_hand_off_agreement,
+)
 
 # A start-up check answers at once: far inside the pool's bound on a hang.
 BOUND_S = 30.0
@@ -375,3 +378,77 @@ def test_a_stage_that_cannot_answer_fails_every_stage_at_once(pool):
             "Pipeline stages could not compare their hand-off settings: stage 1: "
             "RuntimeError: planted: this stage cannot answer"
         ), error
+
+
+# Speculative decoding: the drafter lives on the last stage.
+
+MTP = dataclasses.replace(
+    SP, runner="v2", enable_jit_warmup=True, num_speculative_tokens=3
+)
+
+
+@topologies((2, 2))
+def test_sp_deployments_with_a_drafter_start(pool):
+    """K3 with MTP (3 draft tokens: a decode query of 4 tokens per request)
+    and with EAGLE-3/DSpark taps on every stage (the V2 runner sets them on
+    each stage and relays them), SP across stages, the JIT warm-up on."""
+    assert_started_everywhere(run_stages(pool, MTP, MTP))
+    taps = dataclasses.replace(MTP, aux_layers=(0, 1, 2, 4))
+    assert_started_everywhere(run_stages(pool, taps, taps))
+
+
+@topologies((2, 2))
+def test_nodes_with_other_num_speculative_tokens_are_refused(pool):
+    """With the JIT warm-up the warm-up steps differ; without it, decode
+    batches of 4 tokens per request pad to other shard rows."""
+    other = dataclasses.replace(MTP, num_speculative_tokens=1)
+    assert_refused_everywhere(
+        run_stages(pool, MTP, other),
+        "warm_up: stage 0={'enable_jit_warmup': True, 'speculative_decoding': "
+        "True, 'num_speculative_tokens': 3}",
+        "--speculative-config",
+    )
+    no_warm_up = dataclasses.replace(MTP, enable_jit_warmup=False)
+    assert_refused_everywhere(
+        run_stages(
+            pool, no_warm_up, dataclasses.replace(no_warm_up, num_speculative_tokens=1)
+        ),
+        "batch_padding: a batch of ",
+        "--speculative-config (num_speculative_tokens)",
+    )
+
+
+def last_stage_taps(layers: tuple[int, ...]) -> str | None:
+    """What the worker's check says when the V1 runner set these aux layers
+    on the last stage (and only there)."""
+    config = scenario_config(
+        get_tp_group().world_size, get_pp_group().world_size, sp=True
+    )
+    with set_current_vllm_config(config), stand_ins(), torch.no_grad():
+        model = build_model(config)
+        if get_pp_group().is_last_rank:
+            model._set_aux_hidden_state_layers(layers)
+        try:
+            check_aux_layers_on_the_last_stage(model)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+@topologies((2, 2))
+def test_v1_runner_taps_before_the_last_stage_are_refused_naming_the_options(pool):
+    """0.33.0's V1 runner sets aux layers on the last stage only; taps at or
+    before its first layer (2) are never sent, and its first forward fails.
+    The worker refuses that at model load; taps inside the stage start."""
+    errors = pool.run(last_stage_taps, (0, 2, 3), timeout=BOUND_S)
+    assert errors[:2] == [None, None], errors
+    for error in errors[2:]:
+        assert error == (
+            "Aux hidden-state layers [0, 2] are captured at or before layer 2, "
+            "where the last PP stage begins, and the V1 model runner sets aux "
+            "layers on the last stage only: no stage would send them. Use the "
+            "V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), whose stages relay "
+            "them, or choose --speculative-config eagle_aux_hidden_state_layer_ids "
+            "above 2 or another VLLM_PP_LAYER_PARTITION."
+        ), error
+    assert pool.run(last_stage_taps, (3,), timeout=BOUND_S) == [None] * pool.world

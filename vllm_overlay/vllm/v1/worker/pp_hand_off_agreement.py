@@ -216,6 +216,29 @@ def aux_hidden_state_layers(model: nn.Module) -> tuple[tuple[int, ...], int, int
     return (), 0, 0
 
 
+def check_aux_layers_on_the_last_stage(model: nn.Module) -> None:
+    """The V1 model runner sets aux layers on the last PP stage only, so no
+    earlier stage captures or relays a tap: a last stage whose taps start at
+    or before its first layer would wait for aux states nobody sends and fail
+    at its first forward ("Missing aux_hidden_states_0"), the memory
+    profiling run. The worker asks once the V1 runner loaded the model."""
+    pp_group = get_pp_group()
+    if pp_group.is_first_rank:
+        return
+    layers, start, _ = aux_hidden_state_layers(model)
+    upstream = [layer for layer in layers if layer <= start]
+    if upstream:
+        raise ValueError(
+            f"Aux hidden-state layers {upstream} are captured at or before "
+            f"layer {start}, where the last PP stage begins, and the V1 model "
+            "runner sets aux layers on the last stage only: no stage would "
+            "send them. Use the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), "
+            "whose stages relay them, or choose --speculative-config "
+            f"eagle_aux_hidden_state_layer_ids above {start} or another "
+            "VLLM_PP_LAYER_PARTITION."
+        )
+
+
 def pp_hand_off_settings(
     vllm_config: VllmConfig, model: nn.Module, padding: RunnerPadding
 ) -> dict[str, Any]:
