@@ -338,3 +338,48 @@ def test_v2_hands_over_before_it_replays_a_graph():
     hand_over = source.index("hand_over_intermediate_tensors(")
     assert "self.model," in source[hand_over : source.index(")", hand_over) + 40]
     assert hand_over < source.index("self.cudagraph_manager.run_fullgraph(")
+
+
+def test_find_candidate_is_what_dispatch_runs_once_graphs_are_captured(monkeypatch):
+    """The start-up check asks find_candidate before capture; dispatch asks
+    it once graphs are captured, so both pad every batch alike."""
+    from vllm.config import VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    monkeypatch.setattr(
+        cudagraph_utils,
+        "get_pp_group",
+        lambda: types.SimpleNamespace(is_first_rank=False, is_last_rank=False),
+    )
+    monkeypatch.setattr(current_platform, "get_global_graph_pool", lambda: None)
+    config = VllmConfig()
+    # After VllmConfig's own resolution, which drops graphs on the CPU.
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
+    config.compilation_config.max_cudagraph_capture_size = 8
+    manager = CudaGraphManager(
+        config, torch.device("cpu"), CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=2
+    )
+    shapes = [
+        (num_reqs, num_tokens, uniform)
+        for num_tokens in range(0, 11)
+        for num_reqs in range(1, num_tokens + 1)
+        for uniform in (None, 2)
+        if uniform is None or num_tokens == 2 * num_reqs
+    ]
+    before = [manager.dispatch(r, n, u, 0).cg_mode for r, n, u in shapes]
+    assert set(before) == {CUDAGraphMode.NONE}  # nothing captured yet
+    manager._graphs_captured = True
+    padded = {}
+    for num_reqs, num_tokens, uniform in shapes:
+        desc = manager.dispatch(num_reqs, num_tokens, uniform, 0)
+        found = manager.find_candidate(num_reqs, num_tokens, uniform, 0)
+        if num_tokens == 0 or found is None:
+            assert desc.cg_mode == CUDAGraphMode.NONE
+            assert desc.num_tokens == num_tokens
+        else:
+            assert desc == found
+        padded[num_reqs, num_tokens, uniform] = desc.num_tokens
+    # Uniform decodes of 2 tokens per request pad to the rounded sizes.
+    assert [padded[n // 2, n, 2] for n in (2, 4, 6, 8, 10)] == [2, 4, 8, 8, 10]
+    assert padded[3, 5, None] == 5  # FULL_DECODE_ONLY: mixed batches run eager
