@@ -425,56 +425,6 @@ def test_the_flashinfer_arms_do_not_ask_for_deepgemm(arm):
         serve.build("mega-sp", {**VALUES, "deepgemm": "", "node_rank": "0"})
 
 
-def python_3_10(tmp_path: Path) -> Path:
-    """An interpreter that is Python 3.10 to the program it runs: it reports
-    3.10.12 and has no tomllib, as Ubuntu 22.04's python3."""
-    site = tmp_path / "py310"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(
-        "import sys\n"
-        "sys.version_info = (3, 10, 12, 'final', 0)\n"
-        "sys.version = '3.10.12 (main) [GCC 11.4.0]'\n"
-        "class NoTomllib:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name == 'tomllib':\n"
-        "            raise ModuleNotFoundError(\"No module named 'tomllib'\")\n"
-        "sys.meta_path.insert(0, NoTomllib())\n"
-    )
-    script = site / "python3"
-    script.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
-    script.chmod(script.stat().st_mode | stat.S_IEXEC)
-    return script
-
-
-def test_make_serve_on_python_3_10_says_what_it_needs(tmp_path):
-    python = python_3_10(tmp_path)
-    result = subprocess.run(
-        [
-            "make",
-            "-s",
-            "serve",
-            "ARM=fi-noep",
-            "NODE_RANK=0",
-            "MODEL=/m",
-            "HOST_IP=h",
-            "MASTER_ADDR=m",
-            f"SERVE_PYTHON={python}",
-        ],
-        capture_output=True,
-        text=True,
-        cwd=serve.PROJECT_DIR,
-    )
-    assert result.returncode != 0 and result.stdout == ""
-    (line,) = result.stderr.splitlines()[:1]
-    # Named by the interpreter the stub runs, which reports 3.10.12.
-    assert line.startswith("eval.serve needs Python 3.11 or newer, as vLLM 0.33.0")
-    assert line.endswith(
-        " is 3.10.12. Run it with the python of the environment that serves vLLM "
-        "0.33.0: `make serve SERVE_PYTHON=/path/to/bin/python` (default: this "
-        "checkout's .venv)."
-    )
-
-
 def test_serve_parses_as_python_3_9_up_to_its_version_check():
     source = Path(serve.__file__).read_text()
     ast.parse(source, feature_version=(3, 9))
