@@ -173,19 +173,15 @@ def run_ranks(tp: int, pp: int, scenario: Scenario) -> list[StageResult]:
     """One step on ``tp * pp`` ranks, their shared memory released after it."""
     from tests.sppp_testbed.launcher import RankPool
     from tests.sppp_testbed.stages import run_step
-    from vllm.distributed import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-    )
+    from vllm.distributed import destroy_model_parallel
 
     pool = RankPool(tp, pp)
     try:
         results = pool.run(run_step, scenario)
-        # The pool kills its ranks; a TP group's broadcaster (vLLM's shared
-        # memory ring) would outlive them, and the resource tracker would
-        # warn at exit. vLLM's own teardown unlinks it first.
+        # The pool kills its ranks; each TP group's broadcaster (vLLM's shared
+        # memory ring, made by the group's first rank) would outlive them, and
+        # the resource tracker would warn at exit. vLLM's teardown unlinks it.
         pool.run(destroy_model_parallel)
-        pool.run(destroy_distributed_environment)
     finally:
         pool.close()
     return results

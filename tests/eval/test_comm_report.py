@@ -15,8 +15,7 @@ from eval import comm_report
 from eval.comm_report import end_gather_path
 from tests.sppp_testbed.accounting import CommLedger
 from tests.sppp_testbed.launcher import RankPool
-from tests.sppp_testbed.stages import StageResult
-from vllm.distributed import destroy_model_parallel
+from tests.sppp_testbed.stages import StageResult, run_step
 
 LIMIT = 41_943_040
 
@@ -85,9 +84,10 @@ def test_the_report_ends_with_the_end_gather_and_frees_shared_memory(
     run = RankPool.run
 
     def noting_shared_memory(pool, func, *args, **kwargs):
-        if func is destroy_model_parallel:  # the release: note what it frees
+        results = run(pool, func, *args, **kwargs)
+        if func is run_step:  # what the step's groups hold, before any release
             made.extend(name for name in run(pool, tp_broadcaster_shm) if name)
-        return run(pool, func, *args, **kwargs)
+        return results
 
     monkeypatch.setattr(RankPool, "run", noting_shared_memory)
     log = tmp_path / "comm-report.log"
