@@ -6,6 +6,7 @@ without make's error line unless the state is a real problem."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -140,3 +141,13 @@ def test_make_status_fails_on_a_real_problem(tmp_path, code):
     result = make("status", path=apply_py_answering(tmp_path, code))
     assert result.returncode != 0
     assert f"Error {code}" in result.stderr
+
+
+def test_make_help_names_every_target_that_vllm_points(tmp_path):
+    makefile = (PROJECT_DIR / "Makefile").read_text()
+    recipes = re.findall(r"^([\w-]+):[^\n]*\n((?:\t[^\n]*\n)+)", makefile, re.M)
+    pointed = [target for target, recipe in recipes if "$(TARGET)" in recipe]
+    assert {"apply", "status", "pr-diff"} <= set(pointed)
+    text = make("help").stdout
+    paragraph = text[text.index("VLLM=/path") :].split(" instead of ")[0]
+    assert [t for t in pointed if t not in paragraph] == []
