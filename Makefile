@@ -11,13 +11,15 @@
 #   make lint           ruff and the series' consistency
 #   make manifest       regenerate patches/base.sha256 from the wheel's RECORD
 #   make nccl-bench     time the SP hand-off and the packed end gather over
-#                       NCCL (gloo on CPU): NPROC=4 NCCL_ARGS="--part handoff --tp 2"
+#                       NCCL: NPROC=4 NCCL_ARGS="--part handoff --tp 2"
+#                       (gloo on CPU: a small grid, a few minutes)
 #   make comm-report    what one step communicates, per rank and phase, on
-#                       real CPU ranks (COMM_ARGS="--tp 2 --pp 2 --tokens 17")
+#                       real CPU ranks (COMM_ARGS="--tp 2 --pp 2 --tokens 17";
+#                       the ranks' start-up output: build/comm-report.log)
 #   make serve          print one arm's serve command for one node; RUN=1
 #                       checks the node and starts it: ARM=mega-sp|fi-ep|
 #                       fi-noep NODE_RANK= MODEL= MASTER_ADDR= HOST_IP=
-#                       DEEPGEMM= [SERVE_PYTHON=]
+#                       DEEPGEMM= (mega-sp) [SERVE_PYTHON=, default .venv's]
 #   make gsm8k          GSM8K with lm-eval against a running arm: ARM=
 #                       BASE_URL= MODEL= [LIMIT=] [GSM8K_DATA=dir] [FORCE=1]
 #   make gsm8k-compare  table and paired verdict per arm [BASELINE=fi-ep]

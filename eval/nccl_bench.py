@@ -96,6 +96,7 @@ PARTS = ("peak", "gather", "components", "handoff")
 DEFAULT_TOKENS = "8,64,256,1024,4096,16384,32768"
 # On the CPU (gloo): a check of the script and a rough comparison, in minutes.
 CPU_TOKENS = "8,64,256,1024"
+CPU_PEAK_MIB = 64
 # Multicast over NVLink can take a shared host's GPUs down: always off.
 SAFETY_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -883,7 +884,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-iters", type=int, default=5, help="smallest M")
     parser.add_argument("--max-iters", type=int, default=1000, help="largest M")
     parser.add_argument(
-        "--peak-mib", type=int, default=1024, help="peak: bytes per transfer, MiB"
+        "--peak-mib",
+        type=int,
+        help=f"peak: bytes per transfer, MiB (default: 1024 on GPUs, "
+        f"{CPU_PEAK_MIB} on the CPU)",
     )
     parser.add_argument(
         "--peak-copies",
@@ -1008,6 +1012,10 @@ def main(argv: list[str] | None = None) -> int:
         args.parser.error(problem)
     pp = world // args.tp
     tokens, note = token_grid(args.tokens, cuda)
+    if args.peak_mib is None:
+        args.peak_mib = 1024 if cuda else CPU_PEAK_MIB
+        if "peak" in args.parts and not cuda:
+            note += f"; peak transfers of {CPU_PEAK_MIB} MiB (--peak-mib)"
     aux = [int(k) for k in args.aux.split(",")]
 
     whole = make_group(range(world), cuda)
