@@ -1046,9 +1046,9 @@ def main(argv: list[str] | None = None) -> int:
         )
 
     def finished(text: str) -> None:
-        progress.point(text)
-        if rank == 0:
+        if rank == 0:  # saved before it is said to be done
             save(with_peak(report, args), path)
+        progress.point(text)
 
     if "peak" in args.parts:
         report["peak"] = peak_part(args, pair, clock, device) if pair.member else None
