@@ -39,7 +39,9 @@ by ``(n-1)/n`` for an all-gather of ``n`` ranks and by 1 for a send or a copy.
 Every point first checks that each variant delivers exactly the rows the
 model needs. Results go to ``--out`` as JSON (setup, device, versions,
 command, every repetition) and a Markdown table built from that JSON alone
-(``--table-from FILE.json`` rebuilds it).
+(``--table-from FILE.json`` rebuilds it); both are rewritten after every
+point (``complete`` is false until the last), and a line per point says how
+far the run is and about how long is left.
 
     python -m torch.distributed.run --nproc-per-node 2 eval/nccl_bench.py \\
         --part peak,gather,components
@@ -49,7 +51,8 @@ command, every repetition) and a Markdown table built from that JSON alone
 with ``python`` an interpreter that has PyTorch (``make nccl-bench`` uses
 ``.venv``'s); the script needs nothing else of this checkout. On CPU it runs
 the same code over gloo (host clock instead of CUDA events), which is how the
-tests keep it honest without a GPU.
+tests keep it honest without a GPU; there the default grid is small
+(``CPU_TOKENS``, ``CPU_PEAK_MIB``), and the first line says so.
 """
 
 from __future__ import annotations

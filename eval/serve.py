@@ -326,7 +326,7 @@ def device_problems(command: ServeCommand, python: str) -> list[str]:
     if kind != "cuda":
         return [
             f"vLLM under {python} finds no GPU{shown} (device type: {kind}); it "
-            "would stop with 'Failed to infer device type'. The arms need "
+            "would stop with 'Failed to infer device type'. The command needs "
             f"{need} NVIDIA GPUs on this node: check `nvidia-smi` (driver "
             "loaded, GPUs listed) and CUDA_VISIBLE_DEVICES"
         ]
