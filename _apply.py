@@ -19,10 +19,14 @@ Exit codes:
     2    usage error
     3    ``status``: not applied
     4    base files differ from the pin, or patched files changed since apply
-    5    ``status``: an interrupted apply or revert, or its leftovers;
-         ``apply``/``revert``: stopped part-way, the journal records where.
-         ``apply`` or ``revert`` finishes it
+    5    ``status``: an interrupted apply or revert, what it left, or a
+         lost journal with backups of vLLM files; ``apply``/``revert``:
+         stopped part-way (the message names the command that finishes
+         it), or finished but could not remove its stage directory or lock
+         (the next run removes them)
     6    ``status``: applied from a different revision of the patch set
+    7    ``apply``: finished an interrupted run (the target is vLLM again,
+         files changed), then failed before applying
     130  interrupted (Ctrl-C); ``status`` says where it stopped
 
 Other programs read ``status --json``: one JSON object whose schema
@@ -42,10 +46,12 @@ import csv
 import datetime
 import errno
 import fcntl
+import functools
 import hashlib
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -64,6 +70,7 @@ __all__ = [
     "EXIT_NOT_APPLIED",
     "EXIT_OK",
     "EXIT_OTHER_REVISION",
+    "EXIT_RECOVERED_ONLY",
     "STATE_DIR",
     "STATUS_SCHEMA_VERSION",
     "ApplyError",
@@ -84,6 +91,7 @@ EXIT_NOT_APPLIED = 3
 EXIT_DRIFT = 4
 EXIT_INTERRUPTED = 5
 EXIT_OTHER_REVISION = 6
+EXIT_RECOVERED_ONLY = 7
 EXIT_CTRL_C = 130
 
 STATE_DIR = ".k3_sppp"
@@ -94,6 +102,9 @@ TMP_SUFFIX = ".k3-sppp-tmp"
 DRIFT_SUFFIX = ".k3-sppp-drift"
 STATUS_LOCK_WAIT_S = 30.0
 MANIFEST = "base.sha256"
+# SHA-256 of every file the patch set writes, as reviewed: what apply must
+# install whatever the machine's git does (see ``git_env``).
+RESULTS = "patched.sha256"
 BASE_VERSION = "base.version"
 STATUS_SCHEMA_VERSION = 1
 REQUIRED_HEADERS = ("Description", "Forwarded", "Drop-When", "Last-Update")
@@ -133,12 +144,31 @@ class ApplyError(Exception):
         self.code = code
 
 
+def tell(message: str, stream_name: str = "stdout") -> None:
+    """Print ``message``; a failing stream loses it, never the run's outcome.
+
+    What a run did is decided before it reports it, and its exit code says so:
+    an I/O error (or a closed pipe) on standard output or error must not turn
+    a finished revert into an error or an error into a traceback.  A stream
+    that failed is pointed at /dev/null, so that the interpreter's own flush
+    at exit cannot fail again.
+    """
+    stream = getattr(sys, stream_name)
+    try:
+        print(message, file=stream, flush=True)
+    except (OSError, ValueError):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, stream.fileno())
+            os.close(null)
+
+
 def say(message: str) -> None:
-    print(message, flush=True)
+    tell(message)
 
 
 def warn(message: str) -> None:
-    print(f"apply.py: warning: {message}", file=sys.stderr, flush=True)
+    tell(f"apply.py: warning: {message}", "stderr")
 
 
 def sha256_file(path: Path) -> str:
@@ -239,6 +269,7 @@ class PatchSet:
     overlay: list[str]  # installed overlay files (vllm/...)
     overlay_export: list[str]  # every overlay file, tests included
     manifest: dict[str, str]
+    results: dict[str, str]  # path -> SHA-256 of what apply installs there
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -255,6 +286,15 @@ class PatchSet:
         for patch in self.patches:
             seen.update(dict.fromkeys(patch.files))
         return sorted(seen)
+
+    @property
+    def written_files(self) -> list[str]:
+        """Every vLLM file apply writes: the patched and the overlay files."""
+        return sorted(self.patched_files + self.overlay)
+
+    def manifest_command(self) -> str:
+        """The command that regenerates this patch set's two manifests."""
+        return command_line(self.root, None, "manifest")
 
     @property
     def base_version_file(self) -> Path:
@@ -375,7 +415,7 @@ def upstream_problem(headers: dict[str, str]) -> str | None:
     return None
 
 
-def read_manifest(path: Path) -> dict[str, str]:
+def read_manifest(path: Path, regenerate: str) -> dict[str, str]:
     """``sha256sum`` lines: a SHA-256 in hex, space, mode mark and path."""
     manifest: dict[str, str] = {}
     if not path.is_file():
@@ -388,7 +428,7 @@ def read_manifest(path: Path) -> dict[str, str]:
         if not _HEX64.match(digest) or not rel:
             raise ApplyError(
                 f"{path}:{number}: not a `SHA-256  path` line: {line[:80]!r}; "
-                "regenerate the file with `python apply.py manifest`"
+                f"regenerate the file with `{regenerate}`"
             )
         manifest[rel] = digest
     return manifest
@@ -455,29 +495,37 @@ def load_patch_set(root: Path) -> PatchSet:
                 "(installed) or tests/ (export only)"
             )
     overlay = [rel for rel in overlay_export if rel.startswith("vllm/")]
-    manifest = read_manifest(patch_dir / MANIFEST)
-    patch_set = PatchSet(root, patches, overlay, overlay_export, manifest, problems)
+    regenerate = command_line(root, None, "manifest")
+    manifest = read_manifest(patch_dir / MANIFEST, regenerate)
+    results = read_manifest(patch_dir / RESULTS, regenerate)
+    patch_set = PatchSet(
+        root, patches, overlay, overlay_export, manifest, results, problems
+    )
     problems += base_version_problems(patch_set)
-    touched = set(patch_set.patched_files)
-    if set(manifest) != touched:
-        extra = sorted(set(manifest) - touched)
-        lacking = sorted(touched - set(manifest))
+    for name, listed, wanted in (
+        (MANIFEST, manifest, patch_set.patched_files),
+        (RESULTS, results, patch_set.written_files),
+    ):
+        if set(listed) == set(wanted):
+            continue
+        extra = sorted(set(listed) - set(wanted))
+        lacking = sorted(set(wanted) - set(listed))
         detail = "; ".join(
             part
             for part in (
                 f"lacks {', '.join(lacking)}" if lacking else "",
-                f"lists untouched {', '.join(extra)}" if extra else "",
+                f"lists unwritten {', '.join(extra)}" if extra else "",
             )
             if part
         )
         problems.append(
-            f"{patch_dir / MANIFEST}: out of date ({detail}); "
-            "run `python apply.py manifest`"
+            f"{patch_dir / name}: out of date ({detail}); run `{regenerate}`"
         )
+    touched = set(patch_set.patched_files)
     for rel in overlay:
         if rel in touched:
             problems.append(
-                f"vllm_overlay/{rel}: also changed by a patch; "
+                f"{overlay_dir / rel}: also changed by a patch; "
                 "a file is either patched or new"
             )
     return patch_set
@@ -515,9 +563,55 @@ def base_version_problems(patch_set: PatchSet) -> list[str]:
 # --------------------------------------------------------------------------
 
 
+MAKE_VERBS = ("apply", "revert", "status", "check", "manifest", "lint")
+# The header of both manifests names the command that writes them, the same
+# whatever directory it ran in.
+GENERATED_BY = "`make manifest` (`python3 apply.py manifest`)"
+MAKE_FLAGS = {"--force": "FORCE=1"}
+
+
+def default_root() -> Path | None:
+    """The directory holding vllm/ in this project's .venv, if there is one."""
+    with contextlib.suppress(ApplyError, OSError):
+        return resolve_target(None).root
+    return None
+
+
+def command_line(
+    patch_set: Path | None, target: Path | None, verb: str, *flags: str
+) -> str:
+    """The command that runs ``verb`` (with ``flags``) on ``target`` with
+    ``patch_set``, as a user types it: this project's make target where the
+    Makefile can say it (``VLLM=`` for another target), else ``python3
+    apply.py`` with the same ``--patch-set`` and ``--target``."""
+    own = patch_set is None or Path(patch_set).resolve() == PROJECT_DIR
+    here = False
+    with contextlib.suppress(OSError):
+        here = Path.cwd().resolve() == PROJECT_DIR
+    other = target is not None and Path(target).resolve() != default_root()
+    if own and verb in MAKE_VERBS and all(flag in MAKE_FLAGS for flag in flags):
+        words = ["make"] if here else ["make", "-C", str(PROJECT_DIR)]
+        words += [verb, *(MAKE_FLAGS[flag] for flag in flags)]
+        words += [f"VLLM={target}"] if other else []
+        return shlex.join(words)
+    words = ["python3", "apply.py" if here else str(PROJECT_DIR / "apply.py")]
+    words += [] if own else ["--patch-set", str(patch_set)]
+    words += [verb, *flags, *(["--target", str(target)] if other else [])]
+    return shlex.join(words)
+
+
 @dataclass
 class Target:
     root: Path
+    patch_set: Path = PROJECT_DIR  # the patch set the commands act with
+    # What a run could not clean up (stage directories, the lock): it still
+    # finished, but ``status`` will show these, so its exit code says so.
+    unclean: list[str] = field(default_factory=list)
+    recovered: bool = False  # an interrupted run was finished before this one
+
+    def command(self, verb: str, *flags: str) -> str:
+        """The command that runs ``verb`` on this target (``command_line``)."""
+        return command_line(self.patch_set, self.root, verb, *flags)
 
     @property
     def state_dir(self) -> Path:
@@ -580,8 +674,17 @@ class Target:
         if (stat.st_uid, stat.st_gid) != (0, 0):
             os.chown(path, stat.st_uid, stat.st_gid, follow_symlinks=False)
 
-    def mkdir(self, path: Path, like: Path | None = None) -> None:
-        path.mkdir()
+    def mkdir(
+        self, path: Path, like: Path | None = None, mode: int | None = None
+    ) -> None:
+        if mode is None:
+            path.mkdir()
+        else:  # exactly ``mode``, at once: not the umask's, never in between
+            umask = os.umask(0)
+            try:
+                path.mkdir(mode=mode)
+            finally:
+                os.umask(umask)
         self.adopt(path, like)
 
     def record_hashes(self) -> dict[str, str]:
@@ -601,16 +704,32 @@ class Target:
                     hashes[row[0]] = base64.urlsafe_b64decode(raw).hex()
         return hashes
 
+    def not_a_journal(self) -> str:
+        """What to do about a journal this tool cannot believe."""
+        return (
+            f"move it away: `{self.command('revert')}` then restores vLLM's "
+            f"originals from the backups in {self.state_dir / 'backups'}, which "
+            "no run deletes while a file they name is not original (with no "
+            "backups there, reinstall vLLM)"
+        )
+
     def read_journal(self) -> dict | None:
-        if not self.journal_path.is_file():
+        if not os.path.lexists(self.journal_path):
             return None
         try:
-            journal = json.loads(self.journal_path.read_bytes().decode("utf-8"))
+            data = self.journal_path.read_bytes()
+        except OSError as e:
+            raise ApplyError(
+                f"{self.journal_path}: cannot be read ({e.strerror}); nothing is "
+                f"undone or deleted without it. Make it readable, or "
+                + self.not_a_journal()
+            ) from e
+        try:
+            journal = json.loads(data.decode("utf-8"))
         except ValueError as e:
             raise ApplyError(
                 f"{self.journal_path}: not JSON ({e}); this file is not a journal "
-                "k3-sppp wrote. Move it away and reinstall vLLM (or restore "
-                "the journal from a backup)"
+                "k3-sppp wrote, so nothing is undone from it. " + self.not_a_journal()
             ) from e
         if isinstance(journal, dict) and journal.get("format") not in (
             None,
@@ -625,8 +744,7 @@ class Target:
         if problem := journal_problem(journal):
             raise ApplyError(
                 f"{self.journal_path}: {problem}; this is not a journal k3-sppp "
-                "wrote, so nothing is undone from it. Move it away and "
-                "reinstall vLLM (or restore the journal from a backup)"
+                "wrote, so nothing is undone from it. " + self.not_a_journal()
             )
         return journal
 
@@ -654,21 +772,52 @@ class Target:
                 except OSError as e:
                     warn(f"{pyc}: stale bytecode not removed ({e.strerror})")
 
-    def leftovers(self, journal: dict | None) -> tuple[list[Path], list[Path]]:
-        """Files in the state directory that no run needs: ours, and others.
+    @functools.cached_property
+    def originals_by_hash(self) -> dict[str, set[str]]:
+        """vLLM files by the SHA-256 of their original, as far as the wheel's
+        ``RECORD`` and the patch set's ``base.sha256`` can be read."""
+        names: dict[str, set[str]] = {}
+        sources: list[dict[str, str]] = []
+        with contextlib.suppress(ApplyError, OSError, ValueError):
+            sources.append(self.record_hashes())
+        with contextlib.suppress(ApplyError, OSError):
+            sources.append(read_manifest(self.patch_set / "patches" / MANIFEST, ""))
+        for hashes in sources:
+            for rel, digest in hashes.items():
+                if is_safe_rel(rel):
+                    names.setdefault(digest, set()).add(rel)
+        return names
 
-        Ours are what this tool names: ``stage-*`` directories, temp files,
-        backups (named by their own SHA-256) that the journal does not list,
-        and an unheld lock without a journal.
+    def backup_needed(self, digest: str) -> bool:
+        """Whether a backup named ``digest`` may be the only copy of an
+        original: it names no known file, or a file not at that hash."""
+        rels = self.originals_by_hash.get(digest)
+        return not rels or any(
+            file_hash_or_none(self.path(rel)) != digest for rel in rels
+        )
+
+    def leftovers(
+        self, journal: dict | None
+    ) -> tuple[list[Path], list[Path], list[Path]]:
+        """Files in the state directory that no journal lists: ours, others,
+        and orphans.
+
+        Ours are what this tool names and no run needs: ``stage-*``
+        directories, temp files, backups (named by their own SHA-256) whose
+        every original is in place in the tree, and an unheld lock without a
+        journal.  Orphans are backups no journal lists that may be the only
+        copy of an original (``backup_needed``): never removed, restored by
+        ``revert`` (a journal that was lost).
         """
         if not self.state_dir.is_dir():
-            return [], []
+            return [], [], []
         needed = {JOURNAL, "lock"} if journal is not None else {"lock"}
         backups = {
             e["backup"].split("/", 1)[1] for e in (journal or {}).get("files", [])
         }
         ours: list[Path] = []
         others: list[Path] = []
+        orphans: list[Path] = []
         for path in sorted(self.state_dir.iterdir()):
             name = path.name
             if name in needed:
@@ -677,20 +826,28 @@ class Target:
                 for backup in sorted(path.iterdir()):
                     if backup.name in backups:
                         continue
-                    mine = _HEX64.match(backup.name) or (
-                        backup.name.startswith(".") and backup.name.endswith(TMP_SUFFIX)
-                    )
-                    (ours if mine and backup.is_file() else others).append(backup)
+                    regular = backup.is_file() and not backup.is_symlink()
+                    if regular and _HEX64.match(backup.name):
+                        needed_here = self.backup_needed(backup.name)
+                        (orphans if needed_here else ours).append(backup)
+                    elif (
+                        regular
+                        and backup.name.startswith(".")
+                        and backup.name.endswith(TMP_SUFFIX)
+                    ):
+                        ours.append(backup)
+                    else:
+                        others.append(backup)
             elif (
                 name.startswith("stage-") and path.is_dir() and not path.is_symlink()
             ) or (name == f".{JOURNAL}{TMP_SUFFIX}" and path.is_file()):
                 ours.append(path)
             else:
                 others.append(path)
-        return ours, others
+        return ours, others, orphans
 
     def remove_leftovers(self, journal: dict | None) -> None:
-        ours, _ = self.leftovers(journal)
+        ours, _, _ = self.leftovers(journal)
         if ours:
             say(
                 f"removing {len(ours)} leftover(s) of a stopped run "
@@ -781,7 +938,7 @@ def venv_site_packages(venv: Path) -> Path:
     return candidates[with_vllm[-1] if with_vllm else max(candidates)]
 
 
-def resolve_target(path: Path | None) -> Target:
+def resolve_target(path: Path | None, patch_set: Path | None = None) -> Target:
     """Find the directory that holds ``vllm/`` for a user-given path."""
     path = (path or default_target()).resolve()
     if path.is_dir() and not os.access(path, os.R_OK | os.X_OK):
@@ -795,7 +952,7 @@ def resolve_target(path: Path | None) -> Target:
             f"{path}: no vllm/ package here; pass a site-packages directory, "
             "a vLLM checkout root, a venv, or the vllm/ package itself"
         )
-    return Target(path)
+    return Target(path, (patch_set or PROJECT_DIR).resolve())
 
 
 def lock_holder(fd: int) -> str:
@@ -861,6 +1018,7 @@ def locked(target: Target) -> Iterator[None]:
                 f"{target.lock_path}: not removed ({e.strerror}); "
                 "`status` reports it and the next run removes it"
             )
+            target.unclean.append(str(target.lock_path))
         finally:
             os.close(fd)
 
@@ -907,28 +1065,85 @@ def reading(target: Target) -> Iterator[bool]:
 # --------------------------------------------------------------------------
 
 
+# Settings that change the bytes git writes, pinned on the command line,
+# which outranks every configuration file (a second line of defence behind
+# ``git_env``; the patched manifest is the third).
+GIT_PINNED = (
+    "-c",
+    "core.autocrlf=false",
+    "-c",
+    "core.eol=lf",
+    "-c",
+    "core.safecrlf=false",
+    "-c",
+    f"core.attributesFile={os.devnull}",
+)
+
+
+def git_env() -> dict[str, str]:
+    """The environment every git call runs in: no configuration but ours.
+
+    git reads configuration from the system file, the global files
+    (``$HOME/.gitconfig``, ``$XDG_CONFIG_HOME/git/config``), the
+    repository's ``.git/config``, the command line and ``GIT_*`` variables
+    (``GIT_CONFIG_GLOBAL``, ``GIT_CONFIG_COUNT``/``KEY_n``/``VALUE_n``,
+    ``GIT_CONFIG_PARAMETERS``, ...); and attributes from the system file,
+    ``core.attributesFile`` (by default ``$XDG_CONFIG_HOME/git/attributes``),
+    ``.git/info/attributes`` and ``.gitattributes`` in the tree.  So: every
+    ``GIT_*`` variable of the caller is dropped; ``GIT_CONFIG_NOSYSTEM`` and
+    ``GIT_ATTR_NOSYSTEM`` turn the system files off; ``HOME`` and
+    ``XDG_CONFIG_HOME`` point at /dev/null, where no file can exist, and
+    ``GIT_CONFIG_GLOBAL`` and ``GIT_CONFIG_SYSTEM`` name /dev/null too
+    (git 2.32+); our repositories are made by ``git init --template=`` (no
+    info/attributes, no hooks) and hold no ``.gitattributes``.
+    """
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if not key.startswith("GIT_") and key not in ("HOME", "XDG_CONFIG_HOME")
+    }
+    env.update(
+        LC_ALL="C",
+        HOME=os.devnull,
+        XDG_CONFIG_HOME=os.devnull,
+        GIT_CONFIG_NOSYSTEM="1",
+        GIT_CONFIG_SYSTEM=os.devnull,
+        GIT_CONFIG_GLOBAL=os.devnull,
+        GIT_ATTR_NOSYSTEM="1",
+    )
+    return env
+
+
 def git(
     args: list[str],
     cwd: Path,
     check: bool = True,
 ) -> subprocess.CompletedProcess[str]:
-    """Run git in ``cwd``, which is always the top of a repository of ours.
+    """Run git in ``cwd``, which is always the top of a repository of ours,
+    isolated from the user's and the system's configuration (``git_env``).
 
     Each stage is a repository of its own (``make_repo``), so git never finds
     a repository around the target.  ``GIT_CEILING_DIRECTORIES`` cannot do
     that for every path: it splits on ``:``.
     """
-    env = dict(os.environ, LC_ALL="C", GIT_CONFIG_NOSYSTEM="1")
-    for var in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
-        env.pop(var, None)
     try:
         proc = subprocess.run(
-            ["git", *args], cwd=cwd, env=env, text=True, capture_output=True
+            ["git", *GIT_PINNED, *args],
+            cwd=cwd,
+            env=git_env(),
+            text=True,
+            capture_output=True,
         )
     except FileNotFoundError as e:
         raise ApplyError(
-            "git is not installed; k3-sppp applies patches with `git apply`"
+            "git is not installed; k3-sppp applies patches with `git apply` "
+            "(install it: `apt-get install git`, `dnf install git`)"
         ) from e
+    if proc.returncode < 0:
+        raise ApplyError(
+            f"git {' '.join(args)} was killed by signal {-proc.returncode} in "
+            f"{cwd}; nothing was written (run it again)"
+        )
     if check and proc.returncode != 0:
         raise ApplyError(
             f"git {' '.join(args)} failed in {cwd}:\n" + proc.stderr.strip()
@@ -995,11 +1210,17 @@ def copy_base(
 
 
 def stage_patch_set(
-    patch_set: PatchSet, stage: Path, *, overlay: list[str], keep_going: bool = False
+    patch_set: PatchSet,
+    stage: Path,
+    *,
+    overlay: list[str],
+    keep_going: bool = False,
+    skip_series: bool = False,
 ) -> dict[str, list[str]]:
-    """Apply the series, then add ``overlay``; return failures per patch."""
+    """Apply the series (unless ``skip_series``: applied already), then add
+    ``overlay``; return failures per patch."""
     failures: dict[str, list[str]] = {}
-    for patch in patch_set.patches:
+    for patch in [] if skip_series else patch_set.patches:
         if problems := apply_patch(stage, patch):
             failures[patch.name] = problems
             if not keep_going:
@@ -1025,7 +1246,9 @@ for path in sys.argv[1:]:
 """
 
 
-def byte_compile(stage: Path, rels: list[str], python: Path | None) -> None:
+def byte_compile(
+    patch_set: PatchSet, stage: Path, rels: list[str], python: Path | None
+) -> None:
     """Compile every staged module with the target's own interpreter.
 
     vLLM's sources use the syntax of the Python vLLM runs on, which may be
@@ -1038,7 +1261,7 @@ def byte_compile(stage: Path, rels: list[str], python: Path | None) -> None:
             try:
                 compile((stage / rel).read_bytes(), rel, "exec", dont_inherit=True)
             except SyntaxError as e:
-                raise not_compiling(rel, e.lineno, e.msg) from e
+                raise not_compiling(patch_set, rel, e.lineno, e.msg) from e
         return
     try:
         proc = subprocess.run(
@@ -1061,13 +1284,20 @@ def byte_compile(stage: Path, rels: list[str], python: Path | None) -> None:
             f"{python}: failed to compile the patched files:\n"
             + (proc.stderr or proc.stdout).strip()
         )
-    raise not_compiling(rel, lineno, f"{msg}, with {python}")
+    raise not_compiling(patch_set, rel, lineno, f"{msg}, with {python}")
 
 
-def not_compiling(rel: str, lineno: object, msg: str) -> ApplyError:
+def not_compiling(
+    patch_set: PatchSet, rel: str, lineno: object, msg: str
+) -> ApplyError:
+    """A result that does not compile, naming the file to fix."""
+    if rel in patch_set.overlay_export:
+        sources = [str(patch_set.overlay_dir / rel)]
+    else:
+        sources = [str(p.path) for p in patch_set.patches if rel in p.files]
     return ApplyError(
-        f"{rel}:{lineno}: the patched file does not compile ({msg}); fix the "
-        "patch or overlay file that changes it"
+        f"{rel}:{lineno}: the patched file does not compile ({msg}); fix "
+        + (" or ".join(sources) or "the patch or overlay file that changes it")
     )
 
 
@@ -1083,8 +1313,7 @@ def check_version(target: Target, patch_set: PatchSet) -> str | None:
         raise ApplyError(
             f"{target.root}: vLLM {version} found, the patch set is pinned to "
             f"{base} ({patch_set.base_version_file}); install vllm=={base} there, "
-            "or port the series (`python apply.py check --target ...` shows what "
-            "fails)"
+            f"or port the series (`{target.command('check')}` shows what fails)"
         )
     return version
 
@@ -1145,13 +1374,14 @@ def new_stage(target: Target) -> Path:
     return Path(tempfile.mkdtemp(prefix="stage-", dir=target.state_dir))
 
 
-def remove_stage(stage: Path) -> None:
+def remove_stage(target: Target, stage: Path) -> None:
     try:
         shutil.rmtree(stage)
     except FileNotFoundError:
         pass
     except OSError as e:
         warn(f"{stage}: not removed ({e}); the next apply or revert removes it")
+        target.unclean.append(str(stage))
 
 
 @dataclass
@@ -1216,7 +1446,7 @@ def plan_restore(
         raise ApplyError(
             "changed since apply, refusing to overwrite: "
             + ", ".join(unknown)
-            + f" (in {target.root}); `python apply.py revert --force` keeps "
+            + f" (in {target.root}); `{target.command('revert', '--force')}` keeps "
             f"each edited file as FILE{DRIFT_SUFFIX} (never overwriting an "
             "earlier one) and restores the originals",
             code=EXIT_DRIFT,
@@ -1280,6 +1510,7 @@ def keep_edit(target: Target, rel: str, digest: str) -> None:
                     os.fsync(f.fileno())
             except FileExistsError:
                 continue
+            os.chmod(candidate, path.stat().st_mode & 0o7777)
             target.adopt(candidate, like=path)
         say(f"kept your edited {rel} as {candidate}")
         return
@@ -1336,23 +1567,63 @@ def restore(target: Target, journal: dict, plan: Restore) -> int:
             for entry in journal["files"]:
                 if not at_base(target, entry):
                     raise ApplyError(f"{entry['path']}: not the original after restore")
-            with contextlib.suppress(FileNotFoundError):
-                shutil.rmtree(target.state_dir / "backups")
+            for entry in journal["files"]:  # only its own: never an orphan
+                (target.state_dir / entry["backup"]).unlink(missing_ok=True)
+            with contextlib.suppress(FileNotFoundError, OSError):
+                (target.state_dir / "backups").rmdir()  # unless others are there
             target.journal_path.unlink()
         except (OSError, ApplyError) as e:
             raise stopped("revert", target, e) from e
     finally:
-        remove_stage(stage)
+        remove_stage(target, stage)
     return len(plan.files) + len(plan.remove)
 
 
-def stopped(verb: str, target: Target, cause: Exception) -> ApplyError:
+def stopped(verb: str, target: Target, cause: object) -> ApplyError:
     return ApplyError(
         f"{verb} stopped part-way: {cause}; {target.journal_path} records what "
-        "was done. Fix the cause and run `apply` or `revert` again: either "
-        "finishes it (`status` shows the state)",
+        f"was done. Fix the cause, then {finisher(target)} "
+        f"(`{target.command('status')}` shows the state)",
         code=EXIT_INTERRUPTED,
     )
+
+
+def edited_files(target: Target, journal: dict) -> list[str]:
+    """Files of ``journal`` that are neither vLLM's, nor the result, nor an
+    edit the journal already keeps: what only ``revert --force`` overwrites."""
+    kept = journal.get("kept", {})
+    edited = []
+    for entry in journal["files"] + journal["overlay"]:
+        current = file_hash_or_none(target.path(entry["path"]))
+        if "base" in entry and at_base(target, entry):
+            continue
+        if current is None and "base" not in entry:
+            continue
+        if current is None or current not in (
+            entry["result"],
+            kept.get(entry["path"]),
+        ):
+            edited.append(entry["path"])
+    return edited
+
+
+def finisher(target: Target) -> str:
+    """Which command finishes what the journal on disk records, exactly."""
+    try:
+        journal = target.read_journal()
+        edited = edited_files(target, journal) if journal else []
+    except (ApplyError, OSError):
+        return f"`{target.command('status')}` says what finishes it"
+    if journal is None:
+        return f"`{target.command('revert')}` finishes it"
+    if edited:
+        return (
+            f"only `{target.command('revert', '--force')}` finishes it (apply and "
+            f"revert refuse the files edited since apply: {', '.join(edited)})"
+        )
+    if journal["state"] == "applied":  # a revert that stopped before it began
+        return f"`{target.command('revert')}` finishes it"
+    return f"`{target.command('apply')}` or `{target.command('revert')}` finishes it"
 
 
 def put_back(
@@ -1386,7 +1657,10 @@ def swap_in(target: Target, stage: Path, journal: dict) -> None:
             if sha256_file(backup) != entry["base"]:
                 raise ApplyError(f"{backup}: differs from {entry['path']} once written")
         for rel in journal["created_dirs"]:
-            target.mkdir(target.path(rel), like=target.path(rel).parent)
+            parent = target.path(rel).parent
+            target.mkdir(
+                target.path(rel), like=parent, mode=parent.stat().st_mode & 0o7777
+            )
         for entry in journal["files"]:
             target.adopt(stage / entry["path"], like=target.path(entry["path"]))
         for entry in journal["overlay"]:
@@ -1424,75 +1698,160 @@ def undo_apply(target: Target, journal: dict, cause: BaseException) -> None:
 def cmd_apply(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
+    target = resolve_target(args.target, args.patch_set)
+    try:
+        with locked(target):
+            done = apply_locked(target, patch_set)
+    except (ApplyError, OSError) as e:
+        if not target.recovered or getattr(e, "code", EXIT_ERROR) != EXIT_ERROR:
+            raise
+        raise ApplyError(
+            f"{e}; before this, the interrupted run recorded in "
+            f"{target.journal_path} was finished: {target.root} holds vLLM's "
+            "own files again, the patch set is not applied",
+            code=EXIT_RECOVERED_ONLY,
+        ) from e
+    say(done)
+    return finished(target)
+
+
+def finished(target: Target) -> int:
+    """The exit code of a run that did its work: 0, or 5 when it could not
+    remove its stage directory or lock (``status`` reports those as 5 too)."""
+    if not target.unclean:
+        return EXIT_OK
+    warn(
+        "finished, but left "
+        + ", ".join(target.unclean)
+        + f"; `{target.command('status')}` lists it and the next apply or revert "
+        "removes it (exit 5)"
+    )
+    return EXIT_INTERRUPTED
+
+
+def apply_locked(target: Target, patch_set: PatchSet) -> str:
+    """``apply`` with the lock held; returns what to report."""
     base = patch_set.base_version()
-    target = resolve_target(args.target)
     revision = patch_set.revision()
-    with locked(target):
-        journal = target.read_journal()
-        if journal is not None and journal["state"] == "applied":
-            if journal["revision"] != revision:
-                raise ApplyError(
-                    f"{target.root}: revision {journal['revision']} of the "
-                    f"patch set is applied, this checkout is {revision}; run "
-                    "`make revert` first, then apply"
-                )
-            if drift := drifted_files(target, journal):
-                raise ApplyError(
-                    f"{target.root}: applied, but changed since: "
-                    + ", ".join(drift)
-                    + "; `make revert` (with --force to "
-                    "keep the edits aside) and apply again",
-                    code=EXIT_DRIFT,
-                )
-            say(f"already applied (revision {revision}) in {target.root}")
-            return EXIT_OK
-        if journal is not None:
-            restored = put_back(target, journal)
-            say(
-                f"recovered from an interrupted {journal['state']} started "
-                f"{journal['started']}: {restored} file(s) restored to vLLM "
-                f"{journal['vllm_version']}"
-            )
-        version = check_version(target, patch_set)
-        if problems := base_drift(target, patch_set):
+    journal = target.read_journal()
+    if journal is not None and journal["state"] == "applied":
+        if journal["revision"] != revision:
             raise ApplyError(
-                f"{target.root} is not pristine vLLM {base}; "
-                "nothing was written:\n  "
-                + "\n  ".join(f"{rel}: {why}" for rel, why in problems.items())
-                + f"\nreinstall vllm=={base} (or restore these files) "
-                "and apply again",
+                f"{target.root}: revision {journal['revision']} of the "
+                f"patch set is applied, this checkout is {revision}; run "
+                f"`{target.command('revert')}` first, then apply"
+            )
+        if drift := drifted_files(target, journal):
+            raise ApplyError(
+                f"{target.root}: applied, but changed since: "
+                + ", ".join(drift)
+                + f"; `{target.command('revert', '--force')}` keeps the edits "
+                "aside and restores vLLM, then apply again",
                 code=EXIT_DRIFT,
             )
-        if blocked := unwritable_dirs(target, patch_set):
-            raise ApplyError("not writable by this user: " + ", ".join(blocked))
-        stage_root = new_stage(target)
-        try:
-            stage = stage_root / "tree"
-            stage.mkdir()
-            make_repo(stage)
-            copy_base(stage, patch_set.patched_files, target.path)
-            failures = stage_patch_set(patch_set, stage, overlay=patch_set.overlay)
-            if failures:
-                name, problems = next(iter(failures.items()))
-                raise ApplyError(
-                    f"patches/{name} does not apply to {target.root}: "
-                    + "; ".join(problems)
-                    + " (`python apply.py check` lists every failing hunk)"
-                )
-            byte_compile(
-                stage, patch_set.patched_files + patch_set.overlay, target.interpreter()
+        return f"already applied (revision {revision}) in {target.root}"
+    if journal is None and (orphans := target.leftovers(None)[2]):
+        raise ApplyError(lost_journal(target, orphans), code=EXIT_INTERRUPTED)
+    if journal is not None:
+        restored = put_back(target, journal)
+        target.recovered = True
+        say(
+            f"recovered from an interrupted {journal['state']} started "
+            f"{journal['started']}: {restored} file(s) restored to vLLM "
+            f"{journal['vllm_version']}"
+        )
+    version = check_version(target, patch_set)
+    if problems := base_drift(target, patch_set):
+        raise ApplyError(
+            f"{target.root} is not pristine vLLM {base}; "
+            "nothing was written:\n  "
+            + "\n  ".join(f"{rel}: {why}" for rel, why in problems.items())
+            + f"\nreinstall vllm=={base} (or restore these files) "
+            "and apply again",
+            code=EXIT_DRIFT,
+        )
+    if blocked := unwritable_dirs(target, patch_set):
+        raise ApplyError("not writable by this user: " + ", ".join(blocked))
+    if blocked := immutable_paths(target, patch_set):
+        raise ApplyError(
+            "immutable or append-only (`chattr -i`), nothing was written: "
+            + ", ".join(blocked)
+        )
+    stage_root = new_stage(target)
+    try:
+        stage = stage_root / "tree"
+        stage.mkdir()
+        make_repo(stage)
+        copy_base(stage, patch_set.patched_files, target.path)
+        failures = stage_patch_set(patch_set, stage, overlay=patch_set.overlay)
+        if failures:
+            name, problems = next(iter(failures.items()))
+            raise ApplyError(
+                f"{patch_set.patch_dir / name} does not apply to {target.root}: "
+                + "; ".join(problems)
+                + f" (`{target.command('check')}` lists every failing hunk)"
             )
-            journal = new_journal(target, patch_set, stage, revision, version)
-            swap_in(target, stage, journal)
-        finally:
-            remove_stage(stage_root)
-    say(
+        byte_compile(patch_set, stage, patch_set.written_files, target.interpreter())
+        check_results(patch_set, stage)
+        for rel in patch_set.patched_files:  # its original's mode, not the umask's
+            os.chmod(stage / rel, target.path(rel).stat().st_mode & 0o7777)
+        for rel in patch_set.overlay:
+            os.chmod(stage / rel, new_file_mode(target, rel))
+        journal = new_journal(target, patch_set, stage, revision, version)
+        swap_in(target, stage, journal)
+    finally:
+        remove_stage(target, stage_root)
+    return (
         f"applied revision {revision} to {target.root}: "
         f"{len(patch_set.patches)} patch(es), "
         f"{len(patch_set.patched_files)} file(s) patched, "
         f"{len(patch_set.overlay)} overlay file(s) added"
     )
-    return EXIT_OK
+
+
+def check_results(patch_set: PatchSet, stage: Path) -> None:
+    """Refuse a staged file that is not what ``patches/patched.sha256`` says
+    the patch set writes: the reviewed bytes, whatever produced these."""
+    wrong = [
+        f"{rel}: SHA-256 {digest[:12]}… is not the reviewed "
+        f"{patch_set.results[rel][:12]}…"
+        for rel in patch_set.written_files
+        if (digest := sha256_file(stage / rel)) != patch_set.results[rel]
+    ]
+    if wrong:
+        raise ApplyError(
+            "the staged files are not the results "
+            f"{patch_set.patch_dir / RESULTS} records; nothing was written:\n  "
+            + "\n  ".join(wrong)
+            + "\neither the patch set changed since its manifest was generated "
+            f"(`{patch_set.manifest_command()}` regenerates it, `make lint` "
+            "checks it) or this machine's git wrote other bytes"
+        )
+
+
+def new_file_mode(target: Target, rel: str) -> int:
+    """The mode of a new overlay file: that of the modules beside it (of the
+    nearest directory that exists), never the umask's."""
+    parent = target.path(rel).parent
+    while not parent.is_dir():
+        parent = parent.parent
+    for sibling in [parent / "__init__.py", *sorted(parent.glob("*.py"))]:
+        if sibling.is_file():
+            return sibling.stat().st_mode & 0o7777
+    return parent.stat().st_mode & 0o666
+
+
+def immutable_paths(target: Target, patch_set: PatchSet) -> list[str]:
+    """Files apply replaces, and directories it writes in, that carry the
+    immutable or append-only attribute (refused before anything is written,
+    as ``revert`` does)."""
+    paths = {target.path(rel) for rel in patch_set.patched_files}
+    for rel in patch_set.written_files:
+        parent = target.path(rel).parent
+        while not parent.exists():
+            parent = parent.parent
+        paths.add(parent)
+    return sorted(str(p) for p in paths if p.exists() and is_immutable(p))
 
 
 def new_journal(
@@ -1534,20 +1893,170 @@ def new_journal(
 
 
 def cmd_revert(args: argparse.Namespace) -> int:
-    target = resolve_target(args.target)
+    target = resolve_target(args.target, args.patch_set)
     with locked(target):
         journal = target.read_journal()
-        if journal is None:
-            say(f"not applied in {target.root}; nothing to revert")
-            return EXIT_OK
-        restored = put_back(
-            target, journal, force=args.force, any_version=args.any_version
+        if journal is not None:
+            restored = put_back(
+                target, journal, force=args.force, any_version=args.any_version
+            )
+            done = (
+                f"reverted {target.root}: {restored} file(s) back to vLLM "
+                f"{journal['vllm_version']}"
+            )
+        elif orphans := target.leftovers(None)[2]:
+            patch_set = load_patch_set(args.patch_set)
+            restored = revert_without_journal(target, patch_set, orphans)
+            done = (
+                f"reverted {target.root} without its journal: {restored} file(s) "
+                "back to vLLM's originals, from the backups"
+            )
+        else:
+            done = f"not applied in {target.root}; nothing to revert"
+    say(done)
+    return finished(target)
+
+
+def lost_journal(target: Target, orphans: list[Path]) -> str:
+    """What a lost journal left, and the command that recovers from it."""
+    named = []
+    for backup in orphans:
+        rels = sorted(target.originals_by_hash.get(backup.name, []))
+        named.append(
+            f"{backup.name[:12]}… ({', '.join(rels) or 'a file no manifest names'})"
         )
-    say(
-        f"reverted {target.root}: {restored} file(s) back to vLLM "
-        f"{journal['vllm_version']}"
+    return (
+        f"{target.journal_path} is missing, but {len(orphans)} backup(s) of "
+        f"vLLM's original files are in {target.state_dir / 'backups'}: "
+        + ", ".join(named)
+        + f"; `{target.command('revert')}` restores the originals from them "
+        "(no run deletes them meanwhile)"
     )
-    return EXIT_OK
+
+
+def revert_without_journal(
+    target: Target, patch_set: PatchSet, orphans: list[Path]
+) -> int:
+    """Restore vLLM from backups no journal lists (the journal was lost).
+
+    A backup goes back only to a file whose pinned base hash is its name and
+    which is exactly the patch set's result (``patched.sha256``); an overlay
+    file is removed only when it is exactly the result too.  Anything else is
+    refused, naming it, before the first write.  Each step can be repeated:
+    a restored file is original again, and backups go last.
+    """
+    by_hash: dict[str, list[str]] = {}
+    for rel, digest in patch_set.manifest.items():
+        by_hash.setdefault(digest, []).append(rel)
+    back: list[tuple[str, Path]] = []
+    remove: list[str] = []
+    problems: list[str] = []
+    for backup in orphans:
+        rels = by_hash.get(backup.name)
+        if not rels:
+            problems.append(
+                f"{backup}: the original of no file {patch_set.root}'s series "
+                "patches; revert with the patch set that applied it (--patch-set)"
+            )
+        elif sha256_file(backup) != backup.name:
+            problems.append(f"{backup}: corrupt (not the SHA-256 it is named by)")
+        else:
+            for rel in rels:
+                current = file_hash_or_none(target.path(rel))
+                if current == backup.name:
+                    continue
+                if current is not None and current == patch_set.results[rel]:
+                    back.append((rel, backup))
+                else:
+                    problems.append(
+                        f"{target.path(rel)}: neither vLLM's original nor this "
+                        "patch set's result (edited, or another revision)"
+                    )
+    saved = {backup.name for backup in orphans}
+    for rel in patch_set.patched_files:
+        current = file_hash_or_none(target.path(rel))
+        if current == patch_set.results[rel] and patch_set.manifest[rel] not in saved:
+            problems.append(f"{target.path(rel)}: patched, but no backup of it is left")
+    for rel in patch_set.overlay:
+        current = file_hash_or_none(target.path(rel))
+        if current == patch_set.results[rel]:
+            remove.append(rel)
+        elif current is not None:
+            problems.append(
+                f"{target.path(rel)}: not the file the patch set adds; left alone"
+            )
+    for rel in [rel for rel, _ in back] + remove:
+        path = target.path(rel)
+        if not os.access(path.parent, os.W_OK | os.X_OK):
+            problems.append(f"{path.parent}: not writable by this user")
+        elif is_immutable(path):
+            problems.append(f"{path}: immutable or append-only (`chattr -i`)")
+    if problems:
+        raise ApplyError(
+            f"{target.journal_path} is missing; cannot restore vLLM from the "
+            "backups, nothing was changed:\n  "
+            + "\n  ".join(dict.fromkeys(problems))
+            + "\nfix these and revert again; the backups stay where they are"
+        )
+    stage = new_stage(target)
+    changed = False
+    try:
+        for rel, backup in back:
+            staged = stage / rel
+            staged.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(backup, staged)
+            if sha256_file(staged) != backup.name:
+                raise ApplyError(
+                    f"{staged}: copy of {backup} differs from it (out of disk "
+                    "space?); nothing was changed"
+                )
+            target.adopt(staged, like=target.path(rel))
+        try:
+            # Overlay files first: once every original is back, no backup is
+            # left to say that a revert is not finished.
+            for rel in patch_set.overlay:
+                if rel in remove:
+                    target.path(rel).unlink(missing_ok=True)
+                    changed = True
+                remove_empty_parents(target, rel)
+            for rel, _ in back:
+                os.replace(stage / rel, target.path(rel))
+                changed = True
+            target.clear_bytecode([rel for rel, _ in back] + remove)
+            for backup in orphans:
+                if not target.backup_needed(backup.name):
+                    backup.unlink()
+            with contextlib.suppress(OSError):  # unless others are there
+                (target.state_dir / "backups").rmdir()
+        except (OSError, ApplyError) as e:
+            if not changed:
+                raise
+            raise ApplyError(
+                f"revert stopped part-way: {e}; run `{target.command('revert')}` "
+                "again: it finishes from the backups that are left",
+                code=EXIT_INTERRUPTED,
+            ) from e
+    finally:
+        remove_stage(target, stage)
+    return len(back) + len(remove)
+
+
+def remove_empty_parents(target: Target, rel: str) -> None:
+    """Remove the directories above a removed overlay file that it alone
+    filled (apply made them: a vLLM directory holds files of its own)."""
+    parent = target.path(rel).parent
+    top = target.path("vllm")
+    while parent != top and top in parent.parents:
+        if not parent.is_dir():
+            parent = parent.parent
+            continue
+        if any(entry.name != "__pycache__" for entry in parent.iterdir()):
+            return
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(parent / "__pycache__")
+        with contextlib.suppress(FileNotFoundError):
+            parent.rmdir()
+        parent = parent.parent
 
 
 def status(
@@ -1563,7 +2072,9 @@ def status(
     schema_version  1
     exit_code       what ``apply.py status`` exits with (the exit codes above)
     state           "not-applied", "applied", "applying" or "reverting" (an
-                    apply or revert stopped part-way), or "error"
+                    apply or revert stopped part-way), "journal-lost" (no
+                    journal, but backups of vLLM files: ``orphans``), or
+                    "error"
     error           the message when ``state`` is "error", else null
     target          the directory that holds ``vllm/``; null if not found
     vllm_version    the target's vLLM version; null if it does not say
@@ -1581,13 +2092,20 @@ def status(
                     ``target``), ``kind`` ("patched" or "new") and ``drift``:
                     null, or why the file is not what this state expects.
                     Applied: the journal's files, drift "changed since
-                    apply". Not applied: the files the patch set would patch
-                    or add, drift why each is not the pinned base. Applying
-                    or reverting: the journal's files, drift null (not judged)
+                    apply", or (this revision) not the reviewed result of
+                    ``patches/patched.sha256``. Not applied: the files the
+                    patch set would patch or add, drift why each is not the
+                    pinned base. Applying or reverting: the journal's files;
+                    journal lost: the patch set's; drift null (not judged)
     drift           the paths of ``files`` whose ``drift`` is not null
     leftovers       paths a stopped run left in ``TARGET/.k3_sppp`` (the next
                     apply or revert removes them; exit 5)
     alien           paths there that k3-sppp did not write (left alone)
+    orphans         backups no journal lists that may hold the only copy of
+                    an original (exit 5; never removed, ``revert`` restores
+                    from them)
+    finish          the command that finishes a stopped run, restores from
+                    orphans or removes leftovers, as a sentence; else null
     """
     report: dict = {
         "schema_version": STATUS_SCHEMA_VERSION,
@@ -1606,6 +2124,8 @@ def status(
         "drift": [],
         "leftovers": [],
         "alien": [],
+        "orphans": [],
+        "finish": None,
     }
     try:
         status_of(report, as_path(target))
@@ -1626,35 +2146,61 @@ def status_of(report: dict, target_path: Path | None) -> None:
     report["patch_set_revision"] = patch_set.revision()
     with contextlib.suppress(ApplyError):
         report["base_version"] = patch_set.base_version()
-    target = resolve_target(target_path)
+    require_clean(patch_set)  # no pin to compare against otherwise
+    target = resolve_target(target_path, patch_set.root)
     report["target"] = str(target.root)
     with reading(target) as lock_left:
         journal = target.read_journal()
-        ours, others = target.leftovers(journal)
+        ours, others, orphans = target.leftovers(journal)
         if lock_left:
             ours.append(target.lock_path)
-        if journal is None and target.state_dir.is_dir() and not ours + others:
+        if (
+            journal is None
+            and target.state_dir.is_dir()
+            and not ours + others + orphans
+        ):
             ours.append(target.state_dir)  # empty: its run was killed early
         report["vllm_version"] = target.version()
-        if journal is None:
+        entries = [(rel, "patched") for rel in patch_set.patched_files]
+        entries += [(rel, "new") for rel in patch_set.overlay]
+        drift: dict[str, str] = {}
+        if journal is None and orphans:
+            state = "journal-lost"
+        elif journal is None:
             state = "not-applied"
             drift = base_drift(target, patch_set)
-            entries = [(rel, "patched") for rel in patch_set.patched_files]
-            entries += [(rel, "new") for rel in patch_set.overlay]
         else:
             state = journal["state"]
-            drift = {}
             if state == "applied":
                 changed = drifted_files(target, journal)
                 drift = dict.fromkeys(changed, "changed since apply")
+                if journal["revision"] == report["patch_set_revision"]:
+                    for rel, digest in patch_set.results.items():
+                        if rel not in drift and (
+                            file_hash_or_none(target.path(rel)) != digest
+                        ):
+                            drift[rel] = (
+                                f"not the reviewed result ({RESULTS}); "
+                                "installed so, not changed since"
+                            )
             entries = [(e["path"], "patched") for e in journal["files"]]
             entries += [(e["path"], "new") for e in journal["overlay"]]
             report["revision"] = journal["revision"]
             report["started"] = journal["started"]
             report["patches"] = journal.get("patches", [])
-    if state not in ("not-applied", "applied"):
+        if state in ("applying", "reverting") or (ours and drift):
+            report["finish"] = finisher(target)
+        elif state == "journal-lost":
+            report["finish"] = f"`{target.command('revert')}` restores them"
+        elif ours:
+            report["finish"] = (
+                f"the next `{target.command('apply')}` or "
+                f"`{target.command('revert')}` removes it"
+            )
+    other_version = report["vllm_version"] not in (None, report["base_version"])
+    if state not in ("not-applied", "applied") or ours:
         code = EXIT_INTERRUPTED
-    elif drift:
+    elif drift or (state == "not-applied" and other_version):
         code = EXIT_DRIFT
     elif state == "not-applied":
         code = EXIT_NOT_APPLIED
@@ -1662,8 +2208,6 @@ def status_of(report: dict, target_path: Path | None) -> None:
         code = EXIT_OTHER_REVISION
     else:
         code = EXIT_OK
-    if ours and code in (EXIT_OK, EXIT_NOT_APPLIED, EXIT_OTHER_REVISION):
-        code = EXIT_INTERRUPTED
     report["state"] = state
     report["exit_code"] = code
     report["files"] = [
@@ -1672,6 +2216,7 @@ def status_of(report: dict, target_path: Path | None) -> None:
     report["drift"] = [rel for rel, _ in entries if rel in drift]
     report["leftovers"] = [str(path) for path in ours]
     report["alien"] = [str(path) for path in others]
+    report["orphans"] = [str(path) for path in orphans]
 
 
 def status_text(report: dict) -> str:
@@ -1683,39 +2228,57 @@ def status_text(report: dict) -> str:
     ]
     state, files = report["state"], report["files"]
     if state == "not-applied":
+        other_version = report["vllm_version"] not in (None, report["base_version"])
         lines.append(
             "state:    not applied"
             + (
+                f"; vLLM {report['vllm_version']} is not the pinned "
+                f"{report['base_version']}, `apply` will refuse"
+                if other_version
+                else ""
+            )
+            + (
                 "; base differs from the pin:"
                 if report["drift"]
-                else "; base matches the pin"
+                else ("" if other_version else "; base matches the pin")
             )
         )
         lines += [f"  {f['path']}: {f['drift']}" for f in files if f["drift"]]
+    elif state == "journal-lost":
+        lines.append(
+            "state:    journal lost: the journal is missing, but backups of "
+            f"vLLM's originals are left; {report['finish']}"
+        )
+        lines += [f"  BACKUP {path}" for path in report["orphans"]]
     elif state != "applied":
         lines.append(
             f"state:    interrupted {state} (started {report['started']}); "
-            "`make apply` or `make revert` finishes it"
+            f"{report['finish']}"
         )
     else:
         current = report["patch_set_revision"]
+        where = Path(report["patch_set"]), Path(report["target"])
         lines.append(
             f"state:    applied revision {report['revision']} at {report['started']}"
             + (
                 ""
                 if report["revision"] == current
-                else f" (this checkout is {current}: make revert && make apply)"
+                else f" (this checkout is {current}: "
+                f"`{command_line(*where, 'revert')}`, then "
+                f"`{command_line(*where, 'apply')}`)"
             )
         )
         for f in files:
             mark = "DRIFT" if f["drift"] else "ok"
-            lines.append(f"  {mark:<6}{f['kind']:<8}{f['path']}")
+            why = f" ({f['drift']})" if f["drift"] else ""
+            lines.append(f"  {mark:<6}{f['kind']:<8}{f['path']}{why}")
         if report["drift"]:
-            lines.append(f"{len(report['drift'])} file(s) changed since apply")
+            lines.append(f"{len(report['drift'])} file(s) not as applied")
     lines += [
-        f"  LEFT  {path} (of a run that was stopped; apply or revert removes it)"
-        for path in report["leftovers"]
+        f"  LEFT  {path} (of a run that was stopped)" for path in report["leftovers"]
     ]
+    if report["leftovers"] and state in ("applied", "not-applied"):
+        lines.append(f"left by a stopped run: {report['finish']}")
     lines += [
         f"  ALIEN {path} (not written by k3-sppp; left alone)"
         for path in report["alien"]
@@ -1730,7 +2293,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     elif report["state"] != "error":
         say(status_text(report))
     if report["error"] is not None:
-        print(f"apply.py status: error: {report['error']}", file=sys.stderr)
+        tell(f"apply.py status: error: {report['error']}", "stderr")
     return report["exit_code"]
 
 
@@ -1746,8 +2309,7 @@ def pristine_source(target: Target) -> Callable[[str], Path | None]:
         if journal["state"] != "applied":
             raise ApplyError(
                 f"{target.root}: an interrupted "
-                f"{journal['state']}; run `make apply` or "
-                "`make revert` first"
+                f"{journal['state']}; {finisher(target)} first"
             )
         backups = {e["path"]: target.state_dir / e["backup"] for e in journal["files"]}
         overlay = {e["path"] for e in journal["overlay"]}
@@ -1796,7 +2358,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
     base = patch_set.base_version()
-    target = resolve_target(args.target)
+    target = resolve_target(args.target, args.patch_set)
     source = pristine_source(target)
     version = target.version()
     say(f"target: {target.root} (vLLM {version or 'unknown'}, pinned {base})")
@@ -1811,16 +2373,28 @@ def cmd_check(args: argparse.Namespace) -> int:
         stage.mkdir()
         make_repo(stage)
         copy_base(stage, patch_set.patched_files, source)
-        failures = stage_patch_set(patch_set, stage, overlay=[], keep_going=True)
-    for patch in patch_set.patches:
-        problems = failures.get(patch.name, [])
-        say(f"  {'FAIL' if problems else 'ok':<5}{patch.name}")
-        for problem in problems:
-            say(f"         {problem} does not apply")
-    for rel in patch_set.overlay:
-        if source(rel) is not None:
-            say(f"  FAIL {rel}: exists in the target, the overlay adds it")
-            failures.setdefault("vllm_overlay", []).append(rel)
+        failures = stage_patch_set(
+            patch_set, stage, overlay=patch_set.overlay, keep_going=True
+        )
+        for patch in patch_set.patches:
+            problems = failures.get(patch.name, [])
+            say(f"  {'FAIL' if problems else 'ok':<5}{patch.name}")
+            for problem in problems:
+                say(f"         {problem} does not apply")
+        for rel in patch_set.overlay:
+            if source(rel) is not None:
+                say(f"  FAIL {rel}: exists in the target, the overlay adds it")
+                failures.setdefault("vllm_overlay", []).append(rel)
+        if not failures:  # what apply compiles and compares, checked the same
+            try:
+                byte_compile(
+                    patch_set, stage, patch_set.written_files, target.interpreter()
+                )
+                if not drift and version in (None, base):
+                    check_results(patch_set, stage)
+            except ApplyError as e:
+                say(f"  FAIL {e}")
+                failures["results"] = [str(e)]
     if failures:
         say(
             f"{len(failures)} of {len(patch_set.patches)} patch(es) fail; "
@@ -1876,7 +2450,7 @@ def copy_pristine(
 def cmd_export(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
-    target = resolve_target(args.target)
+    target = resolve_target(args.target, args.patch_set)
     with tempfile.TemporaryDirectory(prefix="k3-sppp-export-") as tmp:
         repo = Path(tmp) / "tree"
         repo.mkdir()
@@ -1886,7 +2460,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         failures = stage_patch_set(patch_set, repo, overlay=patch_set.overlay_export)
         if failures:
             name, problems = next(iter(failures.items()))
-            raise ApplyError(f"patches/{name} does not apply: " + "; ".join(problems))
+            raise ApplyError(
+                f"{patch_set.patch_dir / name} does not apply: " + "; ".join(problems)
+            )
         git(["add", "-A"], repo)
         diff = git(
             [
@@ -1920,7 +2496,39 @@ def cmd_export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def write_manifest(patch_set: PatchSet, target: Target) -> Path:
+def write_manifest(patch_set: PatchSet, target: Target) -> list[Path]:
+    """Write both manifests: ``base.sha256`` from the wheel's RECORD, then
+    ``patched.sha256`` from the series applied to those verified originals."""
+    base_path = write_base_manifest(patch_set, target)
+    patch_set = load_patch_set(patch_set.root)
+    with tempfile.TemporaryDirectory(prefix="k3-sppp-manifest-") as tmp:
+        stage = Path(tmp) / "tree"
+        stage.mkdir()
+        make_repo(stage)
+        copy_pristine(patch_set, target, stage, patch_set.patched_files)
+        failures = stage_patch_set(patch_set, stage, overlay=patch_set.overlay)
+        if failures:
+            name, problems = next(iter(failures.items()))
+            raise ApplyError(
+                f"{patch_set.patch_dir / name} does not apply to vLLM "
+                f"{patch_set.base_version()}: " + "; ".join(problems)
+            )
+        lines = [
+            "# SHA-256 of every file the patch set writes into vLLM "
+            f"{patch_set.base_version()}: the",
+            "# series applied to the pinned originals, and the overlay files.",
+            f"# Generated by {GENERATED_BY}; do not edit. apply",
+            "# installs nothing else; where it is applied, `sha256sum -c` checks them.",
+        ]
+        lines += [
+            f"{sha256_file(stage / rel)}  {rel}" for rel in patch_set.written_files
+        ]
+    path = patch_set.patch_dir / RESULTS
+    write_atomic(path, ("\n".join(lines) + "\n").encode())
+    return [base_path, path]
+
+
+def write_base_manifest(patch_set: PatchSet, target: Target) -> Path:
     base = patch_set.base_version()
     version = target.version()
     if version != base:
@@ -1932,7 +2540,7 @@ def write_manifest(patch_set: PatchSet, target: Target) -> Path:
     lines = [
         f"# SHA-256 of the vLLM {base} files the series patches, as",
         "# shipped in the wheel (its dist-info RECORD). Generated by",
-        "# `python apply.py manifest`; do not edit. In a pristine",
+        f"# {GENERATED_BY}; do not edit. In a pristine",
         "# site-packages, `sha256sum -c` checks them.",
     ]
     for rel in patch_set.patched_files:
@@ -1949,8 +2557,11 @@ def write_manifest(patch_set: PatchSet, target: Target) -> Path:
 
 def cmd_manifest(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
-    path = write_manifest(patch_set, resolve_target(args.target))
-    say(f"wrote {path} ({len(patch_set.patched_files)} file(s))")
+    paths = write_manifest(patch_set, resolve_target(args.target, args.patch_set))
+    say(
+        f"wrote {paths[0]} ({len(patch_set.patched_files)} file(s)) and "
+        f"{paths[1]} ({len(patch_set.written_files)} file(s))"
+    )
     return EXIT_OK
 
 
@@ -1978,16 +2589,23 @@ def series_prefix_problem(patch_set: PatchSet, target: Target) -> str | None:
                 )
             touched += [rel for rel in patch.files if rel not in touched]
             try:
-                byte_compile(stage, touched, target.interpreter())
+                byte_compile(patch_set, stage, touched, target.interpreter())
             except ApplyError as e:
                 return f"{prefix}, do not compile: {e}"
+        stage_patch_set(patch_set, stage, overlay=patch_set.overlay, skip_series=True)
+        try:
+            byte_compile(patch_set, stage, patch_set.overlay, target.interpreter())
+            check_results(patch_set, stage)
+        except ApplyError as e:
+            return str(e)
     return None
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
-    if problem := series_prefix_problem(patch_set, resolve_target(args.target)):
+    target = resolve_target(args.target, args.patch_set)
+    if problem := series_prefix_problem(patch_set, target):
         raise ApplyError(problem)
     say(
         f"{len(patch_set.patches)} patch(es), "
@@ -2000,7 +2618,7 @@ def cmd_lint(args: argparse.Namespace) -> int:
 def cmd_devtree(args: argparse.Namespace) -> int:
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
-    target = resolve_target(args.target)
+    target = resolve_target(args.target, args.patch_set)
     repo = args.dir.resolve()
     if repo.exists() and any(repo.iterdir()):
         raise ApplyError(f"{repo}: exists and is not empty")
@@ -2027,13 +2645,12 @@ def cmd_devtree(args: argparse.Namespace) -> int:
         )
         if proc.returncode != 0:
             raise ApplyError(
-                f"patches/{patch.name}: `git am` failed in {repo}:"
-                f"\n{proc.stdout}{proc.stderr}"
+                f"{patch.path}: `git am` failed in {repo}:\n{proc.stdout}{proc.stderr}"
             )
     say(
         f"{repo}: {len(patch_set.patches)} commit(s) on tag "
         f"{DEVTREE_BASE_TAG}; edit, commit (or rebase -i), then "
-        f"`python apply.py refresh {args.dir}`"
+        f"`{command_line(patch_set.root, None, 'refresh', str(args.dir))}`"
     )
     return EXIT_OK
 
@@ -2049,13 +2666,13 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     ):
         raise ApplyError(
             f"{repo}: no tag {DEVTREE_BASE_TAG}; make it with "
-            "`python apply.py devtree DIR`"
+            f"`{command_line(patch_set.root, None, 'devtree', 'DIR')}`"
         )
     top = git(["rev-parse", "--show-toplevel"], repo, check=False).stdout.strip()
     if not top or Path(top).resolve() != repo:
         raise ApplyError(
             f"{repo}: not the top of a git repository; refresh reads a devtree "
-            "made by `python apply.py devtree DIR`"
+            f"made by `{command_line(patch_set.root, None, 'devtree', 'DIR')}`"
         )
     if git(["status", "--porcelain"], repo).stdout.strip():
         raise ApplyError(f"{repo}: uncommitted changes; commit them first")
@@ -2081,7 +2698,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     series = "".join(f"{p.name}\n" for p in fresh)
     write_atomic(patch_set.patch_dir / "series", series.encode())
     refreshed = load_patch_set(args.patch_set)
-    write_manifest(refreshed, resolve_target(args.target))
+    write_manifest(refreshed, resolve_target(args.target, args.patch_set))
     refreshed = load_patch_set(args.patch_set)
     require_clean(refreshed)
     say(f"wrote {len(fresh)} patch(es) and the manifest to {patch_set.patch_dir}")
@@ -2170,21 +2787,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line: runs one command and returns its exit code.
+
+    Whatever fails while an error is reported (an I/O error on standard
+    error, a Ctrl-C while printing) leaves the code of what happened, never
+    a traceback.
+    """
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except ApplyError as e:
-        print(f"apply.py {args.command}: error: {e}", file=sys.stderr)
-        return e.code
+        code, message = e.code, f"error: {e}"
     except OSError as e:
         # Every write into vllm/ is inside a transaction that turns its own
         # errors into an ApplyError; what reaches here changed no vLLM file.
-        print(f"apply.py {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        code, message = EXIT_ERROR, f"error: {e}"
     except KeyboardInterrupt:
-        print(
-            f"apply.py {args.command}: interrupted; `python apply.py status` "
-            "says where it stopped, `apply` or `revert` finishes it",
-            file=sys.stderr,
+        status_command = command_line(args.patch_set, args.target, "status")
+        code = EXIT_CTRL_C
+        message = (
+            f"interrupted; `{status_command}` says where it stopped and which "
+            "command finishes it"
         )
-        return EXIT_CTRL_C
+    with contextlib.suppress(KeyboardInterrupt):
+        tell(f"apply.py {args.command}: {message}", "stderr")
+    return code
