@@ -519,6 +519,11 @@ def test_revert_force_restores_a_patched_file_that_was_deleted(
             lambda p: (p / "patches/base.sha256").unlink(),
             "base.sha256: out of date (lacks vllm/logger.py, vllm/version.py)",
         ),
+        (
+            lambda p: (p / "patches/patched.sha256").unlink(),
+            "patched.sha256: out of date (lacks vllm/k3_sppp_probe/__init__.py, "
+            "vllm/logger.py, vllm/version.py)",
+        ),
     ],
 )
 def test_inconsistent_series_is_refused(tool, target, patch_set, breakage, message):
