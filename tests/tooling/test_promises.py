@@ -199,6 +199,8 @@ def test_status_flags_an_installed_file_that_is_not_the_reviewed_result(
 def test_modes_do_not_depend_on_the_umask(patch_set, small_target, umask):
     version = small_target / "vllm/version.py"
     version.chmod(0o664)  # a patched file keeps its own mode, whatever it is
+    # a checkout made under this umask: the overlay's own mode is not taken
+    (patch_set / "vllm_overlay" / PROBE).chmod(0o666 & ~umask)
     before = {
         rel: (small_target / rel).stat().st_mode & 0o7777 for rel in ("vllm", *PATCHED)
     }
@@ -366,7 +368,11 @@ def test_ctrl_c_while_printing_an_error_keeps_its_exit_code(
         f.write("# drift\n")
     monkeypatch.setattr(sys, "stderr", CtrlCWhilePrinting())
     argv = ["--patch-set", str(patch_set), "apply", "--target", str(small_target)]
-    assert apply.main(argv) == apply.EXIT_DRIFT
+    try:
+        code = apply.main(argv)
+    except KeyboardInterrupt:
+        pytest.fail("the Ctrl-C while printing the error escaped main()")
+    assert code == apply.EXIT_DRIFT
 
 
 def test_a_revert_force_stopped_before_it_began_is_status_5_naming_revert_force(
