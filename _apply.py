@@ -2769,7 +2769,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "manifest",
         cmd_manifest,
-        "regenerate patches/base.sha256 from the wheel's RECORD",
+        "regenerate patches/base.sha256 from the wheel's RECORD and "
+        "patches/patched.sha256 from the series applied to those originals",
     )
     add(
         "lint",
