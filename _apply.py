@@ -568,6 +568,7 @@ def base_version_problems(patch_set: PatchSet) -> list[str]:
 
 
 MAKE_VERBS = ("apply", "revert", "status", "check", "manifest", "lint")
+VLLM_VERBS = ("apply", "revert", "status", "check")  # the targets taking VLLM=
 # The header of both manifests names the command that writes them, the same
 # whatever directory it ran in.
 GENERATED_BY = "`make manifest` (`python3 apply.py manifest`)"
@@ -593,7 +594,11 @@ def command_line(
     with contextlib.suppress(OSError):
         here = Path.cwd().resolve() == PROJECT_DIR
     other = target is not None and Path(target).resolve() != default_root()
-    if own and verb in MAKE_VERBS and all(flag in MAKE_FLAGS for flag in flags):
+    if (
+        own
+        and verb in (VLLM_VERBS if other else MAKE_VERBS)
+        and all(flag in MAKE_FLAGS for flag in flags)
+    ):
         words = ["make"] if here else ["make", "-C", str(PROJECT_DIR)]
         words += [verb, *(MAKE_FLAGS[flag] for flag in flags)]
         words += [f"VLLM={target}"] if other else []
