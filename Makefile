@@ -9,7 +9,8 @@
 #   make check          dry run: which patch and hunk would fail
 #   make pr-diff        one diff for an upstream vLLM pull request
 #   make lint           ruff and the series' consistency
-#   make manifest       regenerate patches/base.sha256 from the wheel's RECORD
+#   make manifest       regenerate patches/base.sha256 (the wheel's RECORD) and
+#                       patches/patched.sha256 (what the series writes)
 #   make nccl-bench     time the SP hand-off and the packed end gather over
 #                       NCCL: NPROC=4 NCCL_ARGS="--part handoff --tp 2"
 #                       (gloo on CPU: a small grid, a few minutes)

@@ -103,15 +103,20 @@ def _install(fail_at: int, kind: str, ops: list[str]) -> None:
 _forker: ProcessPoolExecutor | None = None
 
 
-def run(argv: list[str], fail_at: int, kind: str, log: Path) -> Outcome:
-    """``apply.main(argv)`` in a forked child; ``fail_at=0`` injects nothing."""
+def run(
+    argv: list[str], fail_at: int, kind: str, log: Path, umask: int = 0o022
+) -> Outcome:
+    """``apply.main(argv)`` in a forked child under ``umask``; ``fail_at=0``
+    injects nothing."""
     global _forker
     if _forker is None:
         _forker = ProcessPoolExecutor(1, multiprocessing.get_context("spawn"))
-    return _forker.submit(_run_forked, argv, fail_at, kind, log).result()
+    return _forker.submit(_run_forked, argv, fail_at, kind, log, umask).result()
 
 
-def _run_forked(argv: list[str], fail_at: int, kind: str, log: Path) -> Outcome:
+def _run_forked(
+    argv: list[str], fail_at: int, kind: str, log: Path, umask: int
+) -> Outcome:
     sys.stdout.flush()
     sys.stderr.flush()
     report = log.with_suffix(".ops")
@@ -127,6 +132,7 @@ def _run_forked(argv: list[str], fail_at: int, kind: str, log: Path) -> Outcome:
             ops: list[str] = []
             ops_fd = os.open(report, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
             pwrite = os.pwrite
+            os.umask(umask)
             _install(fail_at, kind, ops)
             try:
                 code = apply.main(argv)

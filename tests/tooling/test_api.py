@@ -38,6 +38,8 @@ KEYS = [
     "drift",
     "leftovers",
     "alien",
+    "orphans",
+    "finish",
 ]
 
 
@@ -85,6 +87,8 @@ def test_status_json_of_a_pristine_target(small_tool, small_target, patch_set):
         "drift": [],
         "leftovers": [],
         "alien": [],
+        "orphans": [],
+        "finish": None,
     }
     assert report["patch_set_revision"] == applied_revision(small_tool)
 

@@ -103,10 +103,11 @@ def test_status_reports_a_newer_revision_of_the_patch_set(tool, target, patch_se
         f.write("# edited after apply\n")
     proc = tool("status")
     assert proc.returncode == apply.EXIT_OTHER_REVISION
-    assert "make revert && make apply" in proc.stdout
+    revert = f"revert --target {target}`, then `"
+    assert revert in proc.stdout
     proc = tool("apply")
     assert proc.returncode == apply.EXIT_ERROR
-    assert "run `make revert` first" in proc.stderr
+    assert f"revert --target {target}` first" in proc.stderr
 
 
 def test_check_passes_on_pristine_and_on_applied_targets(tool):
@@ -517,6 +518,11 @@ def test_revert_force_restores_a_patched_file_that_was_deleted(
         (
             lambda p: (p / "patches/base.sha256").unlink(),
             "base.sha256: out of date (lacks vllm/logger.py, vllm/version.py)",
+        ),
+        (
+            lambda p: (p / "patches/patched.sha256").unlink(),
+            "patched.sha256: out of date (lacks vllm/k3_sppp_probe/__init__.py, "
+            "vllm/logger.py, vllm/version.py)",
         ),
     ],
 )

@@ -3,9 +3,11 @@
 
 For every N and every fault kind (EIO, Ctrl-C, SIGKILL) the run is repeated
 on a fresh copy.  Afterwards the tree must be exactly pristine or exactly
-applied, or ``status`` exits 5 and both the next ``apply`` and the next
-``revert`` reach their state; every vLLM file is always its original or its
-patched self, and a user's edit survives somewhere, byte for byte.
+applied, or ``status`` exits 5 and the commands it names reach their state;
+every vLLM file is always its original or its patched self, with its mode,
+and a user's edit survives somewhere, byte for byte.  The sweeps go through
+the patched-manifest check (apply), mode preservation under umask 077
+(apply), and the revert of a tree whose journal was lost.
 """
 
 from __future__ import annotations
@@ -34,15 +36,20 @@ def run_main(*argv: str) -> tuple[int, str]:
     return code, out.getvalue()
 
 
+def mode(path: Path) -> str:
+    return f"{path.stat().st_mode & 0o7777:o}"
+
+
 def package(root: Path) -> dict[str, str]:
-    """Every file (by SHA-256) and directory of the tree, state dir excluded."""
+    """Every file (SHA-256 and mode) and directory (mode) of the tree, state
+    dir excluded."""
     listing = {
-        str(p.relative_to(root)): "dir"
+        str(p.relative_to(root)): f"dir {mode(p)}"
         for p in root.rglob("*")
         if p.is_dir() and apply.STATE_DIR not in p.relative_to(root).parts
     }
     listing.update(
-        (rel, digest)
+        (rel, f"{digest} {mode(root / rel)}")
         for rel, digest in tree_digest(root).items()
         if not rel.startswith(apply.STATE_DIR + "/")
     )
@@ -84,11 +91,19 @@ def state_signature(root: Path, patch_set: Path) -> tuple:
 class Sweep:
     """Runs one command with each fault; checks and tallies the end states."""
 
-    def __init__(self, tmp: Path, patch_set: Path, start: Path, command: list[str]):
+    def __init__(
+        self,
+        tmp: Path,
+        patch_set: Path,
+        start: Path,
+        command: list[str],
+        umask: int = 0o022,
+    ):
         self.tmp = tmp
         self.patch_set = patch_set
         self.start = start
         self.command = command
+        self.umask = umask
         self.tally: Counter[tuple[str, str]] = Counter()
         self.recovered: set[tuple] = set()
 
@@ -104,18 +119,27 @@ class Sweep:
 
     def operations(self) -> list[str]:
         root = fresh(self.start, self.tmp / "count")
-        outcome = faults.run(self.argv(root, *self.command), 0, "eio", self.tmp / "log")
+        outcome = faults.run(
+            self.argv(root, *self.command), 0, "eio", self.tmp / "log", self.umask
+        )
         assert outcome.code == 0, outcome.output
         return outcome.ops
 
-    def run(self, check) -> list[str]:
+    def run(self, check, first: str | None = None) -> list[str]:
+        """Fault each operation in turn, from the first ``first`` one on
+        (default: from the start)."""
         ops = self.operations()
-        for n in range(1, len(ops) + 1):
+        start = ops.index(first) + 1 if first else 1
+        for n in range(start, len(ops) + 1):
             for kind in faults.KINDS:
                 root = fresh(self.start, self.tmp / "run")
                 before = package(root)
                 outcome = faults.run(
-                    self.argv(root, *self.command), n, kind, self.tmp / "log"
+                    self.argv(root, *self.command),
+                    n,
+                    kind,
+                    self.tmp / "log",
+                    self.umask,
                 )
                 where = f"{kind} at operation {n} ({ops[n - 1]}): {outcome.output}"
                 assert "Traceback" not in outcome.output, where
@@ -161,7 +185,9 @@ def test_apply_reaches_a_named_state_after_a_fault_at_each_operation(
         0
     ] == (apply.EXIT_OK)
     applied = package(reference)
-    sweep = Sweep(tmp_path, patch_set, start, ["apply"])
+    # Under umask 077 every file and directory still gets the modes of the
+    # reference run (umask 022): the originals' and their siblings'.
+    sweep = Sweep(tmp_path, patch_set, start, ["apply"], umask=0o077)
 
     def exactly_pristine(root: Path, where: str) -> None:
         assert package(root) == pristine, where
@@ -207,7 +233,7 @@ def test_revert_force_keeps_the_edit_after_a_fault_at_each_operation(
     with open(small_target / EDITED, "ab") as f:
         f.write(b"# my local fix\n")
     edit_bytes = (small_target / EDITED).read_bytes()
-    edited = hashlib.sha256(edit_bytes).hexdigest()
+    edited = f"{hashlib.sha256(edit_bytes).hexdigest()} {mode(small_target / EDITED)}"
     sweep = Sweep(tmp_path, patch_set, small_target, ["revert", "--force"])
 
     def edit_kept(root: Path, where: str) -> None:
@@ -252,11 +278,69 @@ def test_revert_force_keeps_the_edit_after_a_fault_at_each_operation(
             sweep.recover(root, {"revert": revert_force}, where)
             return "as it was"
         assert status == apply.EXIT_INTERRUPTED, f"status {status}: {where}"
+        report = apply.status(root, patch_set)
+        if report["state"] == "applied":  # stopped before it changed a file
+            assert listing == package(small_target), where
+            assert "revert --force" in report["finish"], where
+            sweep.recover(
+                root, {"revert": revert_force, "apply": apply_refuses_the_edit}, where
+            )
+            return "as it was, and what it left"
         sweep.recover(root, {"revert": revert_force, "apply": apply_then_revert}, where)
         return "status 5"
 
+    def apply_refuses_the_edit(root: Path, where: str) -> None:
+        before = package(root)
+        code, out = run_main(*sweep.argv(root, "apply"))
+        assert code == apply.EXIT_DRIFT, where + out
+        assert package(root) == before, where
+        revert_force(root, where)
+
     ops = sweep.run(check)
-    assert_swept(ops, sweep, {"as it was", "pristine", "status 5"})
+    assert_swept(
+        ops,
+        sweep,
+        {"as it was", "as it was, and what it left", "pristine", "status 5"},
+    )
+
+
+def test_revert_without_a_journal_reaches_a_named_state_after_a_fault_at_each_operation(
+    small_target, patch_set, tmp_path
+):
+    """The journal of an applied tree is lost: revert restores from the
+    backups; stopped anywhere, the backups that still matter survive and the
+    next revert finishes it.  Its lock and staging are the calls the revert
+    --force sweep faults already, so this sweep starts at its first write
+    into vllm/ (an overlay file's ``unlink``)."""
+    pristine = package(small_target)
+    assert run_main(*Sweep(tmp_path, patch_set, small_target, []).argv(
+        small_target, "apply"
+    ))[0] == apply.EXIT_OK  # fmt: skip
+    applied = package(small_target)
+    (small_target / apply.STATE_DIR / "journal.json").unlink()
+    sweep = Sweep(tmp_path, patch_set, small_target, ["revert"])
+
+    def exactly_pristine(root: Path, where: str) -> None:
+        assert package(root) == pristine, where
+        assert not (root / apply.STATE_DIR).exists(), where
+
+    def revert(root: Path, where: str) -> None:
+        code, out = run_main(*sweep.argv(root, "revert"))
+        assert code == apply.EXIT_OK, where + out
+        exactly_pristine(root, where)
+
+    def check(root: Path, where: str) -> str:
+        assert_files_whole(package(root), pristine, applied)
+        status = sweep.status(root)
+        assert status == apply.EXIT_INTERRUPTED, f"status {status}: {where}"
+        state = apply.status(root, patch_set)["state"]
+        assert state in ("journal-lost", "not-applied"), where
+        sweep.recover(root, {"revert": revert}, where)
+        return state
+
+    ops = sweep.run(check, first="unlink")
+    assert ops[ops.index("unlink") - 1] == "chmod", "the first write is not first"
+    assert_swept(ops, sweep, {"journal-lost", "not-applied"})
 
 
 def assert_swept(ops: list[str], sweep: Sweep, states: set[str]) -> None:
@@ -267,7 +351,7 @@ def assert_swept(ops: list[str], sweep: Sweep, states: set[str]) -> None:
         f"fault kinds; end states by kind {dict(sweep.tally)}"
     )
     assert {state for _, state in sweep.tally} == states, summary
-    stopped = {kind for kind, state in sweep.tally if state == "status 5"}
+    stopped = {kind for kind, state in sweep.tally if state in states - {"pristine"}}
     assert stopped == set(faults.KINDS), "a fault kind never landed mid-run: " + summary
 
 

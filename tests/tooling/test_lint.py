@@ -41,6 +41,7 @@ def test_a_patch_that_needs_a_later_one_fails_the_lint(patch_set, small_tool):
     """The second patch of 0001, 0003, 0002 rewrites what 0002 writes."""
     add_probe_patch(patch_set, THIRD, '"second"', '"third"')
     write_series(patch_set, FIRST, SECOND, THIRD)
+    assert small_tool("manifest").returncode == 0
     assert small_tool("lint").returncode == 0
     write_series(patch_set, FIRST, THIRD, SECOND)
     assert (
@@ -57,6 +58,7 @@ def test_a_prefix_that_only_a_later_patch_makes_compile_fails_the_lint(
     add_probe_patch(patch_set, SECOND, '"first"', '"second" +')
     add_probe_patch(patch_set, THIRD, '"second" +', '"second"')
     write_series(patch_set, FIRST, SECOND, THIRD)
+    assert small_tool("manifest").returncode == 0
     assert small_tool("apply").returncode == 0
     assert small_tool("revert").returncode == 0
     assert (
