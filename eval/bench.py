@@ -290,14 +290,16 @@ def headline(point: Point, result: dict) -> str:
 
 
 def describe(sweep: Sweep, points: list[Point]) -> str:
+    """What a sweep asks for, printed as it starts: its length in waves and
+    in decode steps that run one after another (README: how long it takes)."""
     measured = sum(p.num_prompts for p in points)
     warmups = sum(p.num_warmups for p in points)
     waves = sum(p.waves_in_sequence for p in points)
-    outputs = sorted({p.output_len for p in points})
+    steps = sum(p.waves_in_sequence * (p.output_len - 1) for p in points)
     return (
         f"{sweep.name} sweep: {len(points)} points, {measured} measured and "
-        f"{warmups} warm-up requests, {waves} waves in sequence of "
-        f"{'/'.join(map(str, outputs))} output tokens"
+        f"{warmups} warm-up requests, {waves} waves one after another "
+        f"({steps:,} decode steps in sequence)"
     )
 
 

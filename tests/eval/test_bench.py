@@ -443,6 +443,26 @@ def test_refused_before_the_server_is_contacted(monkeypatch, capsys, extra, mess
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("make_vars", "message"),
+    [
+        ([], "bench: TOKENIZER= is empty"),
+        (["TOKENIZER=/models/Kimi-K3", "SWEEP=all", "POINTS=128x1"], "bench: POINTS"),
+    ],
+    ids=["no tokenizer", "points with all sweeps"],
+)
+def test_make_bench_says_what_is_wrong_before_contacting_the_server(make_vars, message):
+    """Nothing listens on port 9: a contacted server would fail otherwise."""
+    proc = subprocess.run(
+        ["make", "-s", "bench", "ARM=fi-ep", "BASE_URL=http://127.0.0.1:9",
+         "MODEL=Kimi-K3", *make_vars],
+        cwd=bench.PROJECT_DIR, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "127.0.0.1:9" not in proc.stderr
+
+
 def decode_result(point: bench.Point, per_token_ms: float) -> dict:
     """A decode point's saved result: RESULT_KEYS plus what TPOT and ITL
     percentiles add."""
@@ -580,6 +600,10 @@ def decode_sweep(tmp_path_factory):
 def test_interrupted_decode_sweep_resumes_where_it_stopped(decode_sweep):
     results, code, output, kept, second = decode_sweep
     assert code == 130, output[-3000:]
+    assert output.startswith(
+        "decode sweep: 2 points, 27 measured and 12 warm-up requests, 11 waves "
+        "one after another (5,621 decode steps in sequence)"
+    )
     assert "[2/2] fi-ep input 1024, output 512, concurrency 8: interrupted" in output
     assert kept == ["in1024-out512-c1.json", "manifest.json"]
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
