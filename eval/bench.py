@@ -303,7 +303,8 @@ def describe(sweep: Sweep, points: list[Point]) -> str:
     )
 
 
-def run_point(args, where: str, point: Point, out: Path) -> dict:
+def run_point(args: argparse.Namespace, where: str, point: Point, out: Path) -> dict:
+    """One ``vllm bench serve``: its saved result, or the sweep stops here."""
     path = out / point.filename
     command = bench_command(point, args.base_url, args.model, args.tokenizer, out)
     proc = subprocess.run([args.vllm, *command[1:]])
