@@ -111,7 +111,12 @@ def serving(
                 },
             )
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        # A decode point opens up to 128 connections at once; the default
+        # backlog of 5 resets some of them.
+        request_queue_size = 256
+
+    server = Server(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
