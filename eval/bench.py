@@ -25,9 +25,10 @@ resumes; a point with failed requests stops the sweep and is kept as
 ``report`` renders, per sweep, a table per metric in the pull request's
 format (one column per arm, MegaMoE+SP's deltas against each baseline), the
 request counts, a verdict per point, a JSON summary and PNG plots. Every
-figure is one ``vllm bench serve`` saved; a value it did not save is shown as
-missing, never as zero. The verdict's spread (``wave_spread``) is the one
-figure computed here, from the per-request latencies the client saves.
+metric is one ``vllm bench serve`` saved; a value it did not save is shown
+as missing, never as zero. Computed here are only the comparisons: deltas,
+leads, and the verdict's spread (``wave_spread``), from the per-request
+latencies the client saves.
 """
 
 from __future__ import annotations

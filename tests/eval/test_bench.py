@@ -581,6 +581,8 @@ def decode_sweep(tmp_path_factory):
             stderr=subprocess.STDOUT,
             text=True,
             start_new_session=True,  # its own group, as a terminal's Ctrl-C
+            # A shell's background job ignores SIGINT, and so would the sweep.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         output = []
         for line in first.stdout:
