@@ -24,10 +24,12 @@
 #   make gsm8k          GSM8K with lm-eval against a running arm: ARM=
 #                       BASE_URL= MODEL= [LIMIT=] [GSM8K_DATA=dir] [FORCE=1]
 #   make gsm8k-compare  table and paired verdict per arm [BASELINE=fi-ep]
-#   make bench          the prefill sweep against a running arm: ARM=
-#                       BASE_URL= MODEL= TOKENIZER= [POINTS=128x1,8192x4]
+#   make bench          a throughput sweep against a running arm: ARM=
+#                       BASE_URL= MODEL= TOKENIZER= [SWEEP=prefill|decode|
+#                       mixed|all] [POINTS=128x1,8192x4]
 #                       [ALLOW_PREFIX_CACHING=1]
-#   make bench-report   tables, JSON summary and plots from results/bench
+#   make bench-report   per sweep: tables, verdicts, JSON summary and plots
+#                       from results/bench
 #   make setup          only the pinned .venv
 #
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
@@ -152,7 +154,7 @@ gsm8k-compare: setup
 
 bench: setup
 	$(VPY) -m eval.bench run --arm "$(ARM)" --base-url "$(BASE_URL)" \
-		--model "$(MODEL)" --tokenizer "$(TOKENIZER)" \
+		--model "$(MODEL)" --tokenizer "$(TOKENIZER)" $(if $(SWEEP),--sweep "$(SWEEP)") \
 		$(if $(POINTS),--points "$(POINTS)") $(if $(VLLM),--target "$(VLLM)") \
 		$(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
 
