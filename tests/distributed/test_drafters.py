@@ -280,11 +280,21 @@ def test_drafter_taps_at_pp1_are_vllm_0_33_0s(pristine_reference, reference):
     """The reference the tests above compare with is what 0.33.0 gives at
     PP = 1, bit for bit, for every tap, the one after the last AttnRes
     layer included (whichever state that is, SP×PP must give the same)."""
-    for scenario in dspark_scenarios(2, 2)[:1] + dspark_scenarios(2, 2)[-2:]:
+    problems = []
+    chosen = dspark_scenarios(2, 2)
+    for scenario in [chosen[0], *chosen[-2:]]:
         (pristine,) = pristine_reference.run(run_step, scenario)
         patched = reference(scenario)
-        assert torch.equal(pristine.drafter_input, patched.drafter_input), scenario
-        for got, want in zip(
-            pristine.aux_hidden_states, patched.aux_hidden_states, strict=True
-        ):
-            assert torch.equal(got, want), scenario
+        pairs = [("drafter input", pristine.drafter_input, patched.drafter_input)]
+        pairs += [
+            (f"aux[{slot}]", got, want)
+            for slot, (got, want) in enumerate(
+                zip(pristine.aux_hidden_states, patched.aux_hidden_states, strict=True)
+            )
+        ]
+        problems += [
+            f"{scenario}: {name} differs"
+            for name, got, want in pairs
+            if not torch.equal(got, want)
+        ]
+    assert not problems, "\n".join(problems)
