@@ -139,7 +139,8 @@ def test_mtp_block_shards_once_and_gathers_once(pool):
     """Inside the MTP layer: one shard of eh_proj's N rows, the decoder
     layer's own SP collectives (with the production flags the shared expert
     runs TP-sharded too), one all-gather of the block's c-row output at the
-    end. Before it only the embedding's all-reduce; nothing crosses a stage."""
+    end. Before it only the embedding's all-reduce; nothing crosses a stage.
+    The block's padding mask is this rank's rows of the runner's."""
     problems = []
     for scenario in mtp_scenarios(pool.tp)[1:]:
         n, rows = scenario.num_tokens, sp_shard_rows(scenario.num_tokens, pool.tp)
@@ -160,6 +161,16 @@ def test_mtp_block_shards_once_and_gathers_once(pool):
             want_here = want if rank >= len(results) - pool.tp else []
             if got != want_here:
                 problems.append(f"{scenario}, rank {rank}: {got} != {want_here}")
+            if rank < len(results) - pool.tp:
+                continue
+            mask = (torch.arange(rows * pool.tp) >= n - n // 4).tolist()
+            tp_rank = rank % pool.tp
+            want_mask = mask[tp_rank * rows : (tp_rank + 1) * rows]
+            if result.drafter_padding_mask.tolist() != want_mask:
+                problems.append(
+                    f"{scenario}, rank {rank}: MTP mask "
+                    f"{result.drafter_padding_mask.tolist()} != {want_mask}"
+                )
     assert not problems, "\n".join(problems)
 
 

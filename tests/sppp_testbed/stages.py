@@ -139,6 +139,9 @@ class StageResult:
     mtp_states: tuple[torch.Tensor, torch.Tensor] | None = None
     drafter_input: torch.Tensor | None = None
     aux_contiguous: list[bool] | None = None
+    # With production flags: the MTP layer's forward context's mask after it
+    # ran (this rank's rows under SP).
+    drafter_padding_mask: torch.Tensor | None = None
 
 
 # The seed's serve command sets the first; the second is 0.33.0's default,
@@ -304,9 +307,11 @@ def run_drafter(
         with (
             ledger.in_phase("drafter"),
             ledger.counting(k3_mtp, "sp_shard"),
-            forward_context(scenario, num_tokens),
+            forward_context(scenario, num_tokens) as context,
         ):
             result.mtp_states = drafter(ids, positions, hidden_states)
+        if context is not None:
+            result.drafter_padding_mask = context.is_padding
         return
     assert scenario.drafter == "dspark", scenario.drafter
     # DSpark stores its context as DFlashSpeculator._store_hidden_states does:
