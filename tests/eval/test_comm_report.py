@@ -1,13 +1,14 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`make comm-report` says which end gather the last stage took, from what
-its ledger recorded."""
+"""`make comm-report` says which end gather the last stage took, and with
+--mtp how the MTP layer ran, from what the ledger recorded."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from eval.comm_report import end_gather_path
+from eval import comm_report
+from eval.comm_report import end_gather_path, mtp_path
 from tests.sppp_testbed.accounting import CommLedger
 from tests.sppp_testbed.stages import StageResult
 
@@ -52,3 +53,60 @@ def test_the_report_names_the_end_gather_the_step_took(widths, num_aux, said):
 def test_without_sp_there_is_no_end_gather():
     said = end_gather_path(last_stage([], 3, sp=False))
     assert said == "End of the model: no SP, nothing to gather."
+
+
+def mtp_stage(sequence_parallel: bool) -> StageResult:
+    """A last stage whose MTP layer recorded what TP2, N=17 records."""
+    ledger = CommLedger(phase="drafter")
+    ops = [("all_reduce", 17), ("sp_shard", 17), ("all_gather", 9)]
+    if not sequence_parallel:
+        ops = [("all_reduce", 17), ("all_reduce", 17)]
+    for op, rows in ops:
+        ledger.add(op, torch.zeros(rows, 64, dtype=torch.float64))
+    return StageResult(
+        sequence_parallel=True,
+        layers=(2, 4),
+        ledger=ledger,
+        drafter_sequence_parallel=sequence_parallel,
+    )
+
+
+@pytest.mark.parametrize(
+    ("sequence_parallel", "said"),
+    [
+        (
+            True,
+            "MTP layer: sequence parallel, 1 shard of 17 rows, 2 TP collectives, "
+            "the last an all_gather of the 9-row shard (4,608 B).",
+        ),
+        (False, "MTP layer: replicated, 2 TP collectives, no shard and no gather."),
+    ],
+)
+def test_the_report_says_how_the_mtp_layer_ran(sequence_parallel, said):
+    assert mtp_path(mtp_stage(sequence_parallel)) == said
+
+
+def test_mtp_option_reports_a_step_with_the_mtp_layer(monkeypatch, capsys):
+    """--mtp runs the step with vLLM's MTP layer on the last stage and says
+    how it ran; without it, the report has no MTP line."""
+    asked = []
+
+    class FakePool:
+        def __init__(self, tp: int, pp: int):
+            self.world = tp * pp
+
+        def run(self, step, scenario):
+            asked.append(scenario)
+            return [mtp_stage(True)] * self.world
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(comm_report, "RankPool", FakePool)
+    comm_report.main(["--tp", "2", "--pp", "2", "--aux", "", "--mtp"])
+    assert asked[-1].drafter == "mtp"
+    out = capsys.readouterr().out
+    assert "\nMTP layer: sequence parallel, 1 shard of 17 rows" in out
+    comm_report.main(["--tp", "2", "--pp", "2", "--aux", ""])
+    assert asked[-1].drafter == ""
+    assert "MTP layer" not in capsys.readouterr().out
