@@ -86,11 +86,12 @@ class CommLedger:
     @contextlib.contextmanager
     def counting(self, module: types.ModuleType, name: str) -> Iterator[None]:
         """Record each call of ``module.name``, a local op such as
-        ``sp_shard``, under that name while the block runs."""
+        ``sp_shard``, under that name while the block runs: its input's
+        shape, and no bytes, since nothing is communicated."""
         original = getattr(module, name)
 
         def counted(tensor: torch.Tensor, *args, **kwargs):
-            self.add(name, tensor)
+            self.records.append(CommRecord(self.phase, name, tuple(tensor.shape), 0))
             return original(tensor, *args, **kwargs)
 
         setattr(module, name, counted)
