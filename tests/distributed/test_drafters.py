@@ -142,7 +142,7 @@ def test_mtp_block_shards_once_and_gathers_once(pool):
     end. Before it only the embedding's all-reduce; nothing crosses a stage.
     The block's padding mask is this rank's rows of the runner's."""
     problems = []
-    for scenario in mtp_scenarios(pool.tp)[1:]:
+    for scenario in mtp_scenarios(pool.tp):
         n, rows = scenario.num_tokens, sp_shard_rows(scenario.num_tokens, pool.tp)
         padded = (rows * pool.tp, HIDDEN)
         want = [

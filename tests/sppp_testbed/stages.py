@@ -36,7 +36,7 @@ from tests.sppp_testbed.tiny_k3 import (
     scenario_config,
     stand_ins,
 )
-from vllm.config import set_current_vllm_config
+from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import ForwardContext, override_forward_context
 from vllm.sequence import IntermediateTensors
@@ -282,7 +282,7 @@ def step_positions(scenario: Scenario, num_tokens: int) -> torch.Tensor:
 
 def run_drafter(
     scenario: Scenario,
-    config,
+    config: VllmConfig,
     result: StageResult,
     model: torch.nn.Module,
     positions: torch.Tensor,
@@ -301,7 +301,8 @@ def run_drafter(
         )
         layer = next(iter(drafter.layers.values()))
         result.drafter_sequence_parallel = layer.mtp_block.use_sequence_parallel
-        # The drafter's tokens: the target's inputs shifted by one.
+        # The drafter's tokens (serving shifts the target's by one and appends
+        # the sampled one): any ids the reference reads too.
         ids = token_ids(num_tokens, scenario.seed + 1)
         # The speculator's own forward context: the runner's full mask.
         with (
