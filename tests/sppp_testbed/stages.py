@@ -304,7 +304,8 @@ def run_drafter(
         # The drafter's tokens (serving shifts the target's by one and appends
         # the sampled one): any ids the reference reads too.
         ids = token_ids(num_tokens, scenario.seed + 1)
-        # The speculator's own forward context: the runner's full mask.
+        # A forward context of the drafter's own with an N-row mask (the V2
+        # speculator passes none, which sp_padding_mask takes as all False).
         with (
             ledger.in_phase("drafter"),
             ledger.counting(k3_mtp, "sp_shard"),
