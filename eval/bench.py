@@ -344,6 +344,7 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     total = sum(len(points) for _, points in plan)
     i, where = 0, arm.name
+    running: Path | None = None  # the point's result file while it runs
     try:
         for sweep, points in plan:
             print(describe(sweep, points), flush=True)
@@ -359,12 +360,20 @@ def run(args: argparse.Namespace) -> int:
                     print(f"{where}: done before, skipped", flush=True)
                     continue
                 print(f"{where}: running ({point.num_prompts} requests)", flush=True)
+                running = out / point.filename
                 result = run_point(args, where, point, out)
+                running = None
                 print(f"{where}: {headline(point, result)}", flush=True)
     except KeyboardInterrupt:
+        # The client shares the terminal's Ctrl-C and may still save what it
+        # measured: an interrupted point is never a finished one.
+        aside = ""
+        if running is not None and running.exists():
+            running.rename(running.with_suffix(".interrupted.json"))
+            aside = f" (its partial result kept as {running.stem}.interrupted.json)"
         raise Interrupted(
-            f"{where}: interrupted. Finished points are kept: run the same "
-            "command again to resume, finished points are skipped"
+            f"{where}: interrupted{aside}. Finished points are kept: run the "
+            "same command again to resume, finished points are skipped"
         ) from None
     return 0
 

@@ -218,9 +218,10 @@ def test_command_is_the_seeds_run_point(point, tmp_path):
 # -- running the sweep ---------------------------------------------------
 
 
-def fake_vllm(tmp_path: Path, fail: str = "") -> Path:
+def fake_vllm(tmp_path: Path, fail: str = "", interrupt: str = "") -> Path:
     """A `vllm bench serve` that logs its point and saves a result; the point
-    ``fail`` (e.g. "128x8") gets one failed request."""
+    ``fail`` (e.g. "128x8") gets one failed request; at the point
+    ``interrupt`` the user presses Ctrl-C once the client saved it."""
     log = tmp_path / "calls.log"
     script = tmp_path / "vllm"
     script.write_text(
@@ -237,12 +238,17 @@ def fake_vllm(tmp_path: Path, fail: str = "") -> Path:
         "r = result_file(p, 1000.0 + p.concurrency, 100.0, failed=failed)\n"
         "open(v('--result-dir') + '/' + v('--result-filename'), 'w')"
         ".write(json.dumps(r))\n"
+        f"if str(p) == {interrupt!r}:\n"
+        "    import os, signal, time\n"
+        "    os.kill(os.getppid(), signal.SIGINT)\n"
+        "    time.sleep(30)\n"
     )
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return script
 
 
 def sweep(results: Path, url: str, vllm: Path, *extra: str):
+    # A shell's background job ignores SIGINT, and so would the sweep.
     return subprocess.run(
         [sys.executable, "-m", "eval.bench", "--results", str(results), "run",
          "--arm", "mega-sp", "--base-url", url, "--model", "Kimi-K3",
@@ -252,7 +258,27 @@ def sweep(results: Path, url: str, vllm: Path, *extra: str):
         capture_output=True,
         text=True,
         timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
+
+
+def test_a_point_interrupted_after_its_client_saved_is_run_again(tmp_path):
+    """Ctrl-C reaches the client too, which may still save what it measured:
+    the sweep sets that file aside, and a rerun runs the point again."""
+    results = tmp_path / "results"
+    with serving("Kimi-K3") as url:
+        first = sweep(results, url, fake_vllm(tmp_path, interrupt="128x8"))
+        assert first.returncode == 130, first.stderr
+        assert (
+            "[2/3] mega-sp input 128, concurrency 8: interrupted (its partial "
+            "result kept as in128-c8.interrupted.json)" in first.stderr
+        )
+        assert (results / "mega-sp" / "in128-c8.interrupted.json").is_file()
+        assert not (results / "mega-sp" / "in128-c8.json").exists()
+        second = sweep(results, url, fake_vllm(tmp_path))
+        assert second.returncode == 0, second.stderr
+    calls = (tmp_path / "calls.log").read_text().split()
+    assert calls == ["128x1", "128x8", "128x8", "8192x1"]
 
 
 def test_failed_point_stops_the_sweep_and_a_rerun_resumes(tmp_path):
@@ -607,7 +633,11 @@ def test_interrupted_decode_sweep_resumes_where_it_stopped(decode_sweep):
         "one after another (5,621 decode steps in sequence)"
     )
     assert "[2/2] fi-ep input 1024, output 512, concurrency 8: interrupted" in output
-    assert kept == ["in1024-out512-c1.json", "manifest.json"]
+    # The client may save what it measured before it stops: set aside.
+    partial = ["in1024-out512-c8.interrupted.json"]
+    if "its partial result kept as in1024-out512-c8.interrupted.json" not in output:
+        partial = []
+    assert kept == ["in1024-out512-c1.json", *partial, "manifest.json"]
     assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
     assert (
         "[1/2] fi-ep input 1024, output 512, concurrency 1: done before, skipped"
