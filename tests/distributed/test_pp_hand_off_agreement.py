@@ -1,98 +1,315 @@
 # SPDX-License-Identifier: Apache-2.0
-"""PP stages started with different flags are refused at start-up on every
-stage, showing each stage's values and the options to align, instead of
-hanging or mixing rows at the first hand-off. Real ranks, the real PP group
-over gloo, and per stage the tiny Kimi K3 built from that stage's own config,
-as a headless node builds it from its own command line."""
+"""PP stages started with settings that would break their hand-off are
+refused at start-up on every stage, showing each stage's values and the
+options to align, instead of hanging or mixing rows at the first step; any
+other difference starts, with a warning on every stage. Real ranks, the real
+PP group over gloo, and per stage the tiny Kimi K3 built from that stage's own
+config, as a headless node builds it from its own command line, with the
+runners' own CUDA graph dispatch (the legacy ``CudagraphDispatcher`` or the
+V2 ``CudaGraphManager``) built from that config."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import os
+import types
 
+import pytest
 import torch
 
 from tests.distributed.conftest import topologies
 from tests.sppp_testbed.tiny_k3 import build_model, scenario_config, stand_ins
-from vllm.config import CUDAGraphMode, set_current_vllm_config
+from vllm.config import CompilationMode, CUDAGraphMode, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-from vllm.v1.worker.pp_hand_off_agreement import check_pp_hand_off_agreement
+from vllm.platforms import current_platform
+from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+from vllm.v1.worker import pp_hand_off_agreement
+from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+from vllm.v1.worker.pp_hand_off_agreement import (
+    check_aux_layers_on_the_last_stage,
+    check_pp_hand_off_agreement,
+)
 
 # A start-up check answers at once: far inside the pool's bound on a hang.
 BOUND_S = 30.0
+REFUSED = "disagree on their hand-off and would hang or mix rows"
 
 
 @dataclasses.dataclass(frozen=True)
 class StageFlags:
-    """What one node's command line sets, as far as the hand-off goes."""
+    """What one node's command line sets, as far as the hand-off goes, and
+    the CUDA graph mode its runner resolves."""
 
     moe_backend: str = "deep_gemm_mega_moe"
     aux_layers: tuple[int, ...] = (0, 2, 3)
     enforce_eager: bool = False
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8)
     cudagraph_mode: str = "FULL_DECODE_ONLY"
+    runner: str = "legacy"  # or "v2"
+    enable_jit_warmup: bool = False
+    num_speculative_tokens: int = 0
+    # The stage cannot compute its settings (a planted error).
+    broken: bool = False
 
 
-PRODUCTION = StageFlags()
+SP = StageFlags()
+NO_SP = dataclasses.replace(SP, moe_backend="auto")
 
 
-def start_stage(flags_by_stage: list[StageFlags]) -> str | None:
-    """Build this stage's model from its flags and run the start-up check;
-    its error, if any."""
+@contextlib.contextmanager
+def runner_kind(flags: StageFlags):
+    """What ``VllmConfig.use_v2_model_runner`` answers on this node."""
+    saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if flags.runner == "v2" else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
+        else:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
+def stage_runner(config, flags: StageFlags) -> types.SimpleNamespace:
+    """The runner's CUDA graph dispatch, as each runner builds it once its
+    attention backends resolved the mode (eager resolves to NONE)."""
+    compilation = config.compilation_config
+    mode = CUDAGraphMode.NONE if flags.enforce_eager else compilation.cudagraph_mode
+    if mode.has_piecewise_cudagraphs():
+        # What piecewise graphs need, set after the model is built: nothing
+        # here is compiled.
+        compilation.mode = CompilationMode.VLLM_COMPILE
+        compilation.splitting_ops = list(compilation._attention_ops)
+    if flags.runner == "v2":
+        # No graph pool on the CPU; dispatch never touches it.
+        saved = current_platform.get_global_graph_pool
+        current_platform.get_global_graph_pool = lambda: None
+        try:
+            manager = CudaGraphManager(
+                config,
+                torch.device("cpu"),
+                mode,
+                decode_query_len=1 + flags.num_speculative_tokens,
+            )
+        finally:
+            current_platform.get_global_graph_pool = saved
+        return types.SimpleNamespace(cudagraph_manager=manager)
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(mode, 1 + flags.num_speculative_tokens)
+    return types.SimpleNamespace(cudagraph_dispatcher=dispatcher)
+
+
+def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]]:
+    """Build this stage's model and runner dispatch from its flags and run
+    the start-up check: its error, if any, and the warnings it logged."""
     flags = flags_by_stage[get_pp_group().rank_in_group]
     config = scenario_config(
         get_tp_group().world_size, get_pp_group().world_size, sp=True
     )
     config.kernel_config.moe_backend = flags.moe_backend
+    config.kernel_config.enable_jit_warmup = flags.enable_jit_warmup
     config.model_config.enforce_eager = flags.enforce_eager
-    config.compilation_config.cudagraph_capture_sizes = list(flags.capture_sizes)
-    config.compilation_config.cudagraph_mode = CUDAGraphMode[flags.cudagraph_mode]
-    with set_current_vllm_config(config), stand_ins(), torch.no_grad():
-        model = build_model(config)
-        model._set_aux_hidden_state_layers(flags.aux_layers)
-        try:
-            check_pp_hand_off_agreement(config, model)
-        except RuntimeError as error:
-            return str(error)
-    return None
+    compilation = config.compilation_config
+    compilation.cudagraph_capture_sizes = list(flags.capture_sizes)
+    compilation.max_cudagraph_capture_size = max(flags.capture_sizes)
+    compilation.cudagraph_mode = CUDAGraphMode[flags.cudagraph_mode]
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    pp_hand_off_agreement.logger.addHandler(handler)
+    try:
+        with (
+            set_current_vllm_config(config),
+            stand_ins(),
+            torch.no_grad(),
+            runner_kind(flags),
+        ):
+            model = build_model(config)
+            model._set_aux_hidden_state_layers(flags.aux_layers)
+            if flags.broken:
+
+                def broken() -> dict[str, bool]:
+                    raise RuntimeError("planted: this stage cannot answer")
+
+                model.get_pp_intermediate_tensor_all_gather_overrides = broken
+            if flags.num_speculative_tokens:
+                # Only the count matters to the hand-off; no drafter is built here.
+                object.__setattr__(
+                    config,
+                    "speculative_config",
+                    types.SimpleNamespace(
+                        num_speculative_tokens=flags.num_speculative_tokens,
+                        uses_dynamic_speculative_decoding=lambda: False,
+                    ),
+                )
+            try:
+                check_pp_hand_off_agreement(config, model, stage_runner(config, flags))
+            except RuntimeError as error:
+                return str(error), warnings
+    finally:
+        pp_hand_off_agreement.logger.removeHandler(handler)
+    return None, warnings
 
 
-def assert_refused_everywhere(errors: list[str | None], *parts: str) -> None:
+def run_stages(pool, *flags: StageFlags) -> list[tuple[str | None, list[str]]]:
+    return pool.run(start_stage, list(flags), timeout=BOUND_S)
+
+
+def assert_started_everywhere(results, *warned: str) -> None:
+    assert [error for error, _ in results] == [None] * len(results), results
+    for _, warnings in results:
+        if not warned:
+            assert warnings == [], warnings
+        for part in warned:
+            assert any(part in warning for warning in warnings), (part, warnings)
+
+
+def assert_refused_everywhere(results, *parts: str) -> list[str]:
+    errors = [error for error, _ in results]
     assert all(errors), errors
     for error in errors:
-        assert "disagree on their hand-off and would hang or mix rows" in error
+        assert REFUSED in error, error
         for part in parts:
             assert part in error, (part, error)
+    return errors
+
+
+# Zero change where no stage is sequence parallel.
+
+
+@topologies((2, 2))
+def test_without_sp_a_last_stage_that_pads_less_starts_with_a_warning(pool):
+    """A drafter's attention backends lower the last stage's CUDA graph mode,
+    or its node runs eager: it pads no batch further than stage 0 sends, so
+    0.33.0 runs this, and so does the series, with a warning on every stage."""
+    for last in (
+        dataclasses.replace(NO_SP, cudagraph_mode="NONE"),
+        dataclasses.replace(NO_SP, enforce_eager=True),
+    ):
+        assert_started_everywhere(
+            run_stages(pool, NO_SP, last), "their hand-offs still agree"
+        )
+
+
+@topologies((2, 2))
+def test_without_sp_a_later_stage_that_pads_more_is_refused_naming_the_batch(pool):
+    """Eager on the first node only: stage 1 pads 3 tokens to 4 and would
+    copy 4 rows out of the 3 stage 0 sends, which fails in 0.33.0 too."""
+    for first in (
+        dataclasses.replace(NO_SP, enforce_eager=True),
+        dataclasses.replace(NO_SP, cudagraph_mode="NONE"),
+    ):
+        assert_refused_everywhere(
+            run_stages(pool, first, NO_SP),
+            "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
+            "request) is dispatched as 3 tokens on stage 0, which sends 3 rows, "
+            "and as 4 on stage 1, which expects at least 4",
+            "--compilation-config, --max-cudagraph-capture-size, --enforce-eager",
+        )
+
+
+@topologies((2, 2))
+def test_without_sp_other_backends_start_and_are_shown_on_every_stage(pool):
+    """The MoE backend alone is not part of the hand-off: without SP on any
+    stage, each stage's EP group may run its own backend."""
+    flags = [
+        dataclasses.replace(NO_SP, moe_backend="auto"),
+        dataclasses.replace(NO_SP, moe_backend="flashinfer_cutlass"),
+    ]
+    assert_started_everywhere(
+        run_stages(pool, *flags),
+        "moe_backend: stage 0=auto, stage 1=flashinfer_cutlass",
+    )
+
+
+# Where SP is on, what decides the rows.
 
 
 @topologies((2, 2))
 def test_stages_that_agree_start(pool):
-    flags = [PRODUCTION, dataclasses.replace(PRODUCTION)]
-    assert pool.run(start_stage, flags, timeout=BOUND_S) == [None] * pool.world
+    assert_started_everywhere(run_stages(pool, SP, dataclasses.replace(SP)))
+    v2 = dataclasses.replace(SP, runner="v2")
+    assert_started_everywhere(run_stages(pool, v2, v2))
+
+
+@topologies((2, 2))
+def test_with_sp_a_lowered_mode_that_pads_every_batch_alike_starts(pool):
+    """FULL_AND_PIECEWISE lowered to PIECEWISE on the last stage (a drafter's
+    backend): decode graphs and piecewise graphs pad to the same sizes here,
+    so every batch maps to the same shard rows."""
+    first = dataclasses.replace(SP, cudagraph_mode="FULL_AND_PIECEWISE")
+    last = dataclasses.replace(SP, cudagraph_mode="PIECEWISE")
+    for runner in ("legacy", "v2"):
+        assert_started_everywhere(
+            run_stages(
+                pool,
+                dataclasses.replace(first, runner=runner),
+                dataclasses.replace(last, runner=runner),
+            ),
+            "cudagraph_mode: stage 0=FULL_AND_PIECEWISE, stage 1=PIECEWISE",
+        )
+
+
+@topologies((2, 2))
+def test_with_sp_stages_that_shard_a_batch_differently_are_refused(pool):
+    """Under SP the shard rows ceil(N_padded / TP) must agree for every
+    batch: a lowered mode or other capture sizes break that at N=5, where
+    stage 0 pads to 8 (4 rows) and stage 1 runs 5 (3 rows)."""
+    first_n = (
+        "batch_padding: a batch of 5 tokens (a uniform decode of 1 per request) "
+        "is dispatched as 8 tokens on stage 0, which sends 4 rows, and as 5 on "
+        "stage 1, which expects 3"
+    )
+    for runner in ("legacy", "v2"):
+        first = dataclasses.replace(SP, runner=runner)
+        for last, shown in [
+            (
+                dataclasses.replace(first, cudagraph_mode="NONE"),
+                "cudagraph_mode: stage 0=FULL_DECODE_ONLY, stage 1=NONE",
+            ),
+            (
+                dataclasses.replace(first, capture_sizes=(1, 2, 4)),
+                "cudagraph_capture_sizes: stage 0=[1, 2, 4, 8], stage 1=[1, 2, 4]",
+            ),
+            (
+                dataclasses.replace(first, enforce_eager=True),
+                "enforce_eager: stage 0=False, stage 1=True",
+            ),
+        ]:
+            assert_refused_everywhere(
+                run_stages(pool, first, last),
+                first_n,
+                shown,
+                "--speculative-config (num_speculative_tokens)",
+                "lowered the CUDA graph mode it resolved",
+            )
 
 
 @topologies((2, 2))
 def test_a_stage_with_another_moe_backend_fails_on_every_rank(pool):
-    other = dataclasses.replace(PRODUCTION, moe_backend="auto")
-    errors = pool.run(start_stage, [PRODUCTION, other], timeout=BOUND_S)
-    assert_refused_everywhere(
-        errors,
-        "moe_backend: stage 0=deep_gemm_mega_moe, stage 1=auto",
+    other = dataclasses.replace(SP, moe_backend="auto")
+    errors = assert_refused_everywhere(
+        run_stages(pool, SP, other),
         "sequence_parallel: stage 0=True, stage 1=False",
         "all_gather_tensors: stage 0={'hidden_states': False, 'residual': False}, "
         "stage 1={}",
+        "moe_backend: stage 0=deep_gemm_mega_moe, stage 1=auto",
         "Start every node with the same --kernel-config, "
         "--enable-expert-parallel, --tensor-parallel-size.",
     )
+    for error in errors:
+        assert "batch_padding" not in error, error
 
 
 @topologies((2, 2))
 def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
     """Stage 0 captures taps 0 and 2 and sends two slots; a stage 1 started
     with taps (0, 3) expects one."""
-    other = dataclasses.replace(PRODUCTION, aux_layers=(0, 3))
-    errors = pool.run(start_stage, [PRODUCTION, other], timeout=BOUND_S)
-    assert_refused_everywhere(
-        errors,
+    other = dataclasses.replace(SP, aux_layers=(0, 3))
+    errors = assert_refused_everywhere(
+        run_stages(pool, SP, other),
         "aux_hidden_state_slots: stage 0 sends 2, stage 1 expects 1",
         "aux_hidden_state_layers: stage 0=(0, 2, 3), stage 1=(0, 3)",
         "--speculative-config (eagle_aux_hidden_state_layer_ids), "
@@ -106,42 +323,132 @@ def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
 def test_aux_layers_set_on_the_last_stage_only_start(pool):
     """The legacy runner sets aux layers on the last stage only; with every
     tap on that stage nothing crosses the boundary, as in 0.33.0."""
-    first = dataclasses.replace(PRODUCTION, aux_layers=())
-    last = dataclasses.replace(PRODUCTION, aux_layers=(3,))
-    assert pool.run(start_stage, [first, last], timeout=BOUND_S) == [None] * pool.world
+    first = dataclasses.replace(SP, aux_layers=())
+    last = dataclasses.replace(SP, aux_layers=(3,))
+    assert_started_everywhere(
+        run_stages(pool, first, last), "aux_hidden_state_layers: stage 0=()"
+    )
+
+
+# Flags that gate warm-up traffic.
+
+
+@pytest.mark.parametrize("base", [SP, NO_SP], ids=["sp", "no-sp"])
+@topologies((2, 2))
+def test_stages_that_would_warm_up_differently_are_refused(pool, base):
+    """The V2 JIT warm-up runs real PP steps, twice with spec decode: a stage
+    that runs other warm-up steps than its neighbour hangs 0.33.0 too, so
+    this is refused for every model."""
+    v2 = dataclasses.replace(base, runner="v2", enable_jit_warmup=True)
+    for other, shown in [
+        (
+            dataclasses.replace(v2, enable_jit_warmup=False),
+            "'enable_jit_warmup': False",
+        ),
+        (
+            dataclasses.replace(v2, num_speculative_tokens=1),
+            "'speculative_decoding': True, 'num_speculative_tokens': 1}",
+        ),
+    ]:
+        assert_refused_everywhere(
+            run_stages(pool, v2, other),
+            "warm_up: stage 0={'enable_jit_warmup': True, "
+            "'speculative_decoding': False, 'num_speculative_tokens': 0}",
+            shown,
+            "--kernel-config (enable_jit_warmup), --speculative-config",
+        )
+    # Without the JIT warm-up no stage runs warm-up steps.
+    legacy = dataclasses.replace(base, runner="legacy", enable_jit_warmup=True)
+    results = run_stages(
+        pool, legacy, dataclasses.replace(legacy, enable_jit_warmup=False)
+    )
+    assert [error for error, _ in results] == [None] * pool.world, results
+
+
+# Robust.
 
 
 @topologies((2, 2))
-def test_a_stage_with_another_backend_but_no_sp_anywhere_starts(pool):
-    """The MoE backend alone is not part of the hand-off: without SP on any
-    stage, each stage's EP group may run its own backend."""
-    flags = [
-        dataclasses.replace(PRODUCTION, moe_backend="auto"),
-        dataclasses.replace(PRODUCTION, moe_backend="flashinfer_cutlass"),
-    ]
-    assert pool.run(start_stage, flags, timeout=BOUND_S) == [None] * pool.world
+def test_a_stage_that_cannot_answer_fails_every_stage_at_once(pool):
+    """A stage whose settings raise sends its error: no stage waits for it
+    until the gloo timeout."""
+    results = run_stages(pool, SP, dataclasses.replace(SP, broken=True))
+    for error, _ in results:
+        assert error == (
+            "Pipeline stages could not compare their hand-off settings: stage 1: "
+            "RuntimeError: planted: this stage cannot answer"
+        ), error
+
+
+# Speculative decoding: the drafter lives on the last stage.
+
+MTP = dataclasses.replace(
+    SP, runner="v2", enable_jit_warmup=True, num_speculative_tokens=3
+)
 
 
 @topologies((2, 2))
-def test_stages_with_other_cuda_graph_settings_fail_on_every_rank(pool):
-    sizes = dataclasses.replace(PRODUCTION, capture_sizes=(1, 2, 4))
-    errors = pool.run(start_stage, [PRODUCTION, sizes], timeout=BOUND_S)
+def test_sp_deployments_with_a_drafter_start(pool):
+    """K3 with MTP (3 draft tokens: a decode query of 4 tokens per request)
+    and with EAGLE-3/DSpark taps on every stage (the V2 runner sets them on
+    each stage and relays them), SP across stages, the JIT warm-up on."""
+    assert_started_everywhere(run_stages(pool, MTP, MTP))
+    taps = dataclasses.replace(MTP, aux_layers=(0, 1, 2, 4))
+    assert_started_everywhere(run_stages(pool, taps, taps))
+
+
+@topologies((2, 2))
+def test_nodes_with_other_num_speculative_tokens_are_refused(pool):
+    """With the JIT warm-up the warm-up steps differ; without it, decode
+    batches of 4 tokens per request pad to other shard rows."""
+    other = dataclasses.replace(MTP, num_speculative_tokens=1)
     assert_refused_everywhere(
-        errors,
-        "cudagraph_capture_sizes: stage 0=[1, 2, 4, 8], stage 1=[1, 2, 4]",
-        "--max-cudagraph-capture-size, --compilation-config.",
+        run_stages(pool, MTP, other),
+        "warm_up: stage 0={'enable_jit_warmup': True, 'speculative_decoding': "
+        "True, 'num_speculative_tokens': 3}",
+        "--speculative-config",
     )
-    eager = dataclasses.replace(PRODUCTION, enforce_eager=True)
-    errors = pool.run(start_stage, [PRODUCTION, eager], timeout=BOUND_S)
+    no_warm_up = dataclasses.replace(MTP, enable_jit_warmup=False)
     assert_refused_everywhere(
-        errors, "enforce_eager: stage 0=False, stage 1=True", "--enforce-eager."
+        run_stages(
+            pool, no_warm_up, dataclasses.replace(no_warm_up, num_speculative_tokens=1)
+        ),
+        "batch_padding: a batch of ",
+        "--speculative-config (num_speculative_tokens)",
     )
-    # Equal flags can resolve to other modes: the message says so.
-    piecewise = dataclasses.replace(PRODUCTION, cudagraph_mode="PIECEWISE")
-    errors = pool.run(start_stage, [PRODUCTION, piecewise], timeout=BOUND_S)
-    assert_refused_everywhere(
-        errors,
-        "cudagraph_mode: stage 0=FULL_DECODE_ONLY, stage 1=PIECEWISE",
-        "a stage's attention backends or drafter lowered the mode it resolved "
-        "to: set a cudagraph_mode every stage supports.",
+
+
+def last_stage_taps(layers: tuple[int, ...]) -> str | None:
+    """What the worker's check says when the V1 runner set these aux layers
+    on the last stage (and only there)."""
+    config = scenario_config(
+        get_tp_group().world_size, get_pp_group().world_size, sp=True
     )
+    with set_current_vllm_config(config), stand_ins(), torch.no_grad():
+        model = build_model(config)
+        if get_pp_group().is_last_rank:
+            model._set_aux_hidden_state_layers(layers)
+        try:
+            check_aux_layers_on_the_last_stage(model)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
+@topologies((2, 2))
+def test_v1_runner_taps_before_the_last_stage_are_refused_naming_the_options(pool):
+    """0.33.0's V1 runner sets aux layers on the last stage only; taps at or
+    before its first layer (2) are never sent, and its first forward fails.
+    The worker refuses that at model load; taps inside the stage start."""
+    errors = pool.run(last_stage_taps, (0, 2, 3), timeout=BOUND_S)
+    assert errors[:2] == [None, None], errors
+    for error in errors[2:]:
+        assert error == (
+            "Aux hidden-state layers [0, 2] are captured at or before layer 2, "
+            "where the last PP stage begins, and the V1 model runner sets aux "
+            "layers on the last stage only: no stage would send them. Use the "
+            "V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), whose stages relay "
+            "them, or choose --speculative-config eagle_aux_hidden_state_layer_ids "
+            "above 2 or another VLLM_PP_LAYER_PARTITION."
+        ), error
+    assert pool.run(last_stage_taps, (3,), timeout=BOUND_S) == [None] * pool.world

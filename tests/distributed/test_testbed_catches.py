@@ -115,3 +115,22 @@ def test_stages_that_padded_the_batch_differently_fail_naming_the_rows(pool):
         )
         == 2
     ), message
+
+
+@topologies((2, 2))
+def test_the_runner_refuses_another_stages_padding_before_the_copy(pool):
+    """The same mis-padded hand-off through the legacy runner's buffers: the
+    runner refuses it before the copy, as it does before a CUDA graph replay,
+    where the model's own check never runs."""
+    with pytest.raises(RankFailure) as failure:
+        pool.run(
+            run_step, Scenario(True, 17, fault="sender_pads_more", runner="legacy")
+        )
+    message = str(failure.value)
+    assert (
+        message.count(
+            "ValueError: Received PP intermediate tensors of 11 rows for a step "
+            "of 17 tokens where this stage expects 9"
+        )
+        == 2
+    ), message

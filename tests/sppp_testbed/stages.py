@@ -211,7 +211,8 @@ def through_legacy_runner(
     runner = types.SimpleNamespace(
         intermediate_tensors=wrapper.make_empty_intermediate_tensors(
             RUNNER_CAPACITY, torch.get_default_dtype(), torch.device("cpu")
-        )
+        ),
+        get_model=lambda: model,
     )
     return GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, received, True

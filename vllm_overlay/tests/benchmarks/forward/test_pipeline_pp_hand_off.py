@@ -25,6 +25,19 @@ HIDDEN = 8
 OVERRIDES = {"hidden_states": False, "residual": False}
 
 
+class ShardedModel:
+    """Declares its hand-off as TP shards of ``ceil(N / TP)`` rows."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def get_pp_intermediate_tensor_all_gather_overrides(self) -> dict[str, bool]:
+        return OVERRIDES
+
+    def get_pp_intermediate_tensor_num_rows(self, num_tokens: int) -> int:
+        return sp_shard_rows(num_tokens, self.tp)
+
+
 class FakePPGroup:
     is_first_rank = False
     is_last_rank = False
@@ -66,6 +79,7 @@ def test_later_stage_gets_exactly_the_shard_it_was_sent(num_tokens, tp, monkeypa
 
     bench = types.SimpleNamespace(
         all_gather_tensors=OVERRIDES,
+        runner=types.SimpleNamespace(model=ShardedModel(tp)),
         batch=None,
         _input_batch=types.SimpleNamespace(num_tokens_after_padding=num_tokens),
         _make_forward=make_forward,

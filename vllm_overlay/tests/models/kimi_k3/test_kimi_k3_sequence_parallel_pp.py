@@ -11,6 +11,7 @@ import torch
 
 from vllm.model_executor.models.interfaces import (
     get_pp_all_gather_overrides,
+    get_pp_num_rows,
     supports_pp_all_gather_overrides,
 )
 from vllm.models.kimi_k3.nvidia import model as k3
@@ -181,6 +182,18 @@ def test_overrides_are_empty_without_sp():
     )
 
 
+@pytest.mark.parametrize(("sp", "tp"), [(True, 2), (True, 8), (False, 8)])
+def test_model_declares_its_shard_rows_under_sp_and_nothing_without(
+    sp, tp, monkeypatch
+):
+    monkeypatch.setattr(k3, "get_tensor_model_parallel_world_size", lambda: tp)
+    model = types.SimpleNamespace(use_sequence_parallel=sp)
+    get = k3.KimiLinearModel.get_pp_intermediate_tensor_num_rows
+    for num_tokens in (1, tp - 1, tp, tp + 1, 17, 64):
+        want = -(-num_tokens // tp) if sp else None
+        assert get(model, num_tokens) == want, num_tokens
+
+
 @pytest.mark.parametrize(
     ("wrapper", "inner"),
     [
@@ -188,51 +201,74 @@ def test_overrides_are_empty_without_sp():
         (k3.KimiK3ForConditionalGeneration, "language_model"),
     ],
 )
-def test_wrappers_delegate_the_overrides(wrapper, inner):
+def test_wrappers_delegate_the_overrides_and_the_rows(wrapper, inner):
     declared = {"hidden_states": False, "aux_hidden_states_0": False}
     inner_model = types.SimpleNamespace(
-        get_pp_intermediate_tensor_all_gather_overrides=lambda: declared
+        get_pp_intermediate_tensor_all_gather_overrides=lambda: declared,
+        get_pp_intermediate_tensor_num_rows=lambda num_tokens: num_tokens + 100,
     )
     outer = types.SimpleNamespace(**{inner: inner_model})
     assert wrapper.get_pp_intermediate_tensor_all_gather_overrides(outer) is declared
+    assert wrapper.get_pp_intermediate_tensor_num_rows(outer, 17) == 117
 
 
-OVERRIDES = "get_pp_intermediate_tensor_all_gather_overrides"
+METHODS = (
+    "get_pp_intermediate_tensor_all_gather_overrides",
+    "get_pp_intermediate_tensor_num_rows",
+)
 
 
-def test_multimodal_wrapper_reaches_the_text_model_without_fallback():
+def test_multimodal_wrapper_reaches_the_text_model(monkeypatch):
+    monkeypatch.setattr(k3, "get_tensor_model_parallel_world_size", lambda: 8)
     text_model = types.SimpleNamespace(
         use_sequence_parallel=True, aux_hidden_state_layers=(3,)
     )
-    setattr(
-        text_model,
-        OVERRIDES,
-        types.MethodType(getattr(k3.KimiLinearModel, OVERRIDES), text_model),
-    )
     causal_lm = types.SimpleNamespace(model=text_model)
-    setattr(
-        causal_lm,
-        OVERRIDES,
-        types.MethodType(getattr(k3.KimiLinearForCausalLM, OVERRIDES), causal_lm),
-    )
-    get = getattr(k3.KimiK3ForConditionalGeneration, OVERRIDES)
-    assert get(types.SimpleNamespace(language_model=causal_lm)) == {
+    for name in METHODS:
+        for obj, cls in (
+            (text_model, k3.KimiLinearModel),
+            (causal_lm, k3.KimiLinearForCausalLM),
+        ):
+            setattr(obj, name, types.MethodType(getattr(cls, name), obj))
+    wrapper = types.SimpleNamespace(language_model=causal_lm)
+    for name in METHODS:
+        method = getattr(k3.KimiK3ForConditionalGeneration, name)
+        setattr(wrapper, name, types.MethodType(method, wrapper))
+    assert get_pp_all_gather_overrides(wrapper) == {
         "hidden_states": False,
         "residual": False,
         "aux_hidden_states_0": False,
     }
-    # A language model without the method is a bug to surface, not "{}".
-    with pytest.raises(AttributeError):
-        get(types.SimpleNamespace(language_model=object()))
+    assert get_pp_num_rows(wrapper, 17) == 3
 
 
-def test_transport_helper_asks_the_model_or_keeps_the_default():
+def test_multimodal_wrapper_over_a_text_model_that_declares_nothing():
+    """On XPU, vllm/models/kimi_k3/__init__.py pairs this wrapper with
+    amd.linear.KimiLinearForCausalLM, which declares no overrides: the pair
+    declares nothing either, as any model, instead of raising at every
+    hand-off."""
+    from vllm.models.kimi_k3.amd.linear import KimiLinearForCausalLM
+
+    text_model = object.__new__(KimiLinearForCausalLM)
+    torch.nn.Module.__init__(text_model)
+    assert not supports_pp_all_gather_overrides(text_model)
+    wrapper = object.__new__(k3.KimiK3ForConditionalGeneration)
+    torch.nn.Module.__init__(wrapper)
+    wrapper.language_model = text_model
+    assert get_pp_all_gather_overrides(wrapper) == {}
+    assert get_pp_num_rows(wrapper, 17) is None
+
+
+def test_transport_helpers_ask_the_model_or_keep_the_default():
     declared = {"hidden_states": False}
     model = types.SimpleNamespace(
-        get_pp_intermediate_tensor_all_gather_overrides=lambda: declared
+        get_pp_intermediate_tensor_all_gather_overrides=lambda: declared,
+        get_pp_intermediate_tensor_num_rows=lambda num_tokens: num_tokens // 2,
     )
     assert get_pp_all_gather_overrides(model) is declared
+    assert get_pp_num_rows(model, 17) == 8
     assert get_pp_all_gather_overrides(torch.nn.Linear(2, 2)) is None
+    assert get_pp_num_rows(torch.nn.Linear(2, 2), 17) is None
     # Every Kimi K3 entry point declares the interface the runners ask.
     for cls in (
         k3.KimiLinearModel,

@@ -5,11 +5,14 @@ V2 CUDA graph replay returns, when the model keeps its stage outputs
 sequence parallel: each TP rank receives ``c = ceil(N / TP)`` rows.
 
 The runners' methods run unbound on fakes that hold only the persistent
-buffers they touch (``max_num_tokens`` rows, as the runners allocate them).
+buffers they touch (``max_num_tokens`` rows, as the runners allocate them)
+and the model they ask what it expects: ``ShardedModel`` declares its shard,
+``REPLICATED`` stands for every model that declares nothing.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
@@ -25,6 +28,7 @@ from vllm.v1.worker.gpu.cudagraph_utils import (
     CudaGraphManager,
     ModelCudaGraphManager,
 )
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2ModelRunner
 from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
@@ -52,6 +56,28 @@ def persistent_buffers() -> IntermediateTensors:
     )
 
 
+class ShardedModel:
+    """Declares its hand-off as TP shards of ``ceil(N / TP)`` rows."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def get_pp_intermediate_tensor_all_gather_overrides(self) -> dict[str, bool]:
+        return {key: False for key in hand_off(1).tensors}
+
+    def get_pp_intermediate_tensor_num_rows(self, num_tokens: int) -> int:
+        return sp_shard_rows(num_tokens, self.tp)
+
+
+REPLICATED = object()  # a model that declares nothing, as every other model
+
+
+def legacy_runner(model: object) -> types.SimpleNamespace:
+    return types.SimpleNamespace(
+        intermediate_tensors=persistent_buffers(), get_model=lambda: model
+    )
+
+
 def test_row_count_is_the_one_every_tensor_shares():
     assert pp_rows.intermediate_tensors_num_rows(hand_off(9)) == 9
     mixed = IntermediateTensors(
@@ -65,13 +91,22 @@ def test_row_count_is_the_one_every_tensor_shares():
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-def test_both_runners_take_every_received_row_at_most_num_tokens(num_tokens, tp):
-    rows = sp_shard_rows(num_tokens, tp)
-    assert pp_rows.received_num_rows(hand_off(rows), num_tokens) == rows
-    assert pp_rows.received_num_rows(hand_off(num_tokens), num_tokens) == num_tokens
-    # More rows than the batch are cut to it, as 0.33.0 cut every hand-off;
-    # a sequence-parallel model then refuses the count (test below).
-    assert pp_rows.received_num_rows(hand_off(num_tokens + 5), num_tokens) == num_tokens
+def test_a_hand_off_is_accepted_as_the_model_declares_it(num_tokens, tp):
+    """A sharded hand-off must be exactly the declared shard; a replicated
+    one at least the batch, as 0.33.0's copy needs."""
+    shard = sp_shard_rows(num_tokens, tp)
+    accepted = {
+        rows
+        for rows in range(2 * CAPACITY)
+        if pp_rows.accepts_hand_off(rows, num_tokens, shard)
+    }
+    assert accepted == {shard}
+    replicated = {
+        rows
+        for rows in range(2 * CAPACITY)
+        if pp_rows.accepts_hand_off(rows, num_tokens, None)
+    }
+    assert replicated == set(range(num_tokens, 2 * CAPACITY))
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -99,7 +134,7 @@ def test_model_refuses_rows_that_are_neither_its_shard_nor_the_batch(
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
 def test_legacy_real_step_hands_exactly_the_received_shard(num_tokens, tp):
-    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
+    runner = legacy_runner(ShardedModel(tp))
     received = hand_off(sp_shard_rows(num_tokens, tp), seed=num_tokens)
     handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, received, True
@@ -120,7 +155,7 @@ def test_legacy_dummy_run_buffers_are_narrowed_once_by_the_model(
     full buffers; the model narrows them to the same leading rows a real
     step writes."""
     monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: tp)
-    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
+    runner = legacy_runner(ShardedModel(tp))
     handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, None, False
     )
@@ -135,7 +170,7 @@ def test_legacy_dummy_run_buffers_are_narrowed_once_by_the_model(
 
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
 def test_legacy_real_step_without_sp_is_unchanged(num_tokens):
-    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
+    runner = legacy_runner(REPLICATED)
     received = hand_off(num_tokens)
     handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, received, True
@@ -149,12 +184,11 @@ def test_both_runners_cut_a_hand_off_longer_than_the_batch(num_tokens):
     forward`` hands over) reach the model as their first ``num_tokens`` rows,
     through either runner, as 0.33.0 cut every hand-off."""
     received = hand_off(CAPACITY, seed=num_tokens)
-    runner = types.SimpleNamespace(intermediate_tensors=persistent_buffers())
     legacy = GPUModelRunner.sync_and_gather_intermediate_tensors(
-        runner, num_tokens, received, True
+        legacy_runner(REPLICATED), num_tokens, received, True
     )
     v2 = pp_rows.hand_over_intermediate_tensors(
-        persistent_buffers(), received, num_tokens
+        persistent_buffers(), received, num_tokens, REPLICATED
     )
     for handed in (legacy, v2):
         for key, tensor in handed.items():
@@ -217,8 +251,9 @@ def test_v2_hand_over_copies_real_steps_and_passes_dummy_buffers(num_tokens, tp)
     run (memory and graph profiling go through the dummy run)."""
     buffers = persistent_buffers()
     received = hand_off(sp_shard_rows(num_tokens, tp), seed=tp)
-    real = pp_rows.hand_over_intermediate_tensors(buffers, received, num_tokens)
-    dummy = pp_rows.hand_over_intermediate_tensors(buffers, None, num_tokens)
+    model = ShardedModel(tp)
+    real = pp_rows.hand_over_intermediate_tensors(buffers, received, num_tokens, model)
+    dummy = pp_rows.hand_over_intermediate_tensors(buffers, None, num_tokens, model)
     for key in received.tensors:
         torch.testing.assert_close(real[key], received[key], rtol=0, atol=0)
         assert dummy[key].shape[0] == num_tokens
@@ -253,9 +288,98 @@ def test_buffers_keep_full_capacity_when_a_hand_over_raises():
             "residual": torch.zeros(64, BANK, HIDDEN),
         }
     )
+    model = ShardedModel(8)
     with pytest.raises(ValueError, match="hidden_states: 8, residual: 64"):
-        pp_rows.hand_over_intermediate_tensors(buffers, mixed, 64)
+        pp_rows.hand_over_intermediate_tensors(buffers, mixed, 64, model)
     assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
-    handed = pp_rows.hand_over_intermediate_tensors(buffers, hand_off(8), 64)
+    with pytest.raises(ValueError, match="of 9 rows for a step of 64 tokens"):
+        pp_rows.hand_over_intermediate_tensors(buffers, hand_off(9), 64, model)
+    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+    handed = pp_rows.hand_over_intermediate_tensors(buffers, hand_off(8), 64, model)
     assert {t.shape[0] for t in handed.tensors.values()} == {8}
     assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_runners_refuse_a_shard_of_other_rows_before_the_copy(num_tokens, tp):
+    """Stages that padded a batch differently send another shard size. The
+    runner refuses it before the copy, so a step replayed from a CUDA graph,
+    where the model's own code does not run, is checked too."""
+    shard = sp_shard_rows(num_tokens, tp)
+    for rows in sorted({shard - 1, shard + 1, num_tokens, CAPACITY} - {0, shard}):
+        runner = legacy_runner(ShardedModel(tp))
+        with pytest.raises(ValueError) as refused:
+            GPUModelRunner.sync_and_gather_intermediate_tensors(
+                runner, num_tokens, hand_off(rows, seed=1), True
+            )
+        assert str(refused.value).startswith(
+            f"Received PP intermediate tensors of {rows} rows for a step of "
+            f"{num_tokens} tokens where this stage expects {shard}: the stages "
+            "padded the batch differently."
+        )
+        untouched = runner.intermediate_tensors
+        assert all(not t.any() for t in untouched.tensors.values()), rows
+
+
+@pytest.mark.parametrize("num_tokens", [3, 17, 64])
+def test_runners_refuse_a_replicated_hand_off_shorter_than_the_batch(num_tokens):
+    """0.33.0 failed on this copy's shapes; the message now names the rows."""
+    with pytest.raises(ValueError, match=f"expects at least {num_tokens}:"):
+        GPUModelRunner.sync_and_gather_intermediate_tensors(
+            legacy_runner(REPLICATED), num_tokens, hand_off(num_tokens - 1), True
+        )
+
+
+def test_v2_hands_over_before_it_replays_a_graph():
+    """The V2 runner's hand-over (and its row check) runs before the FULL
+    graph replay reads the buffers it fills."""
+    source = inspect.getsource(V2ModelRunner.execute_model)
+    hand_over = source.index("hand_over_intermediate_tensors(")
+    assert "self.model," in source[hand_over : source.index(")", hand_over) + 40]
+    assert hand_over < source.index("self.cudagraph_manager.run_fullgraph(")
+
+
+def test_find_candidate_is_what_dispatch_runs_once_graphs_are_captured(monkeypatch):
+    """The start-up check asks find_candidate before capture; dispatch asks
+    it once graphs are captured, so both pad every batch alike."""
+    from vllm.config import VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    monkeypatch.setattr(
+        cudagraph_utils,
+        "get_pp_group",
+        lambda: types.SimpleNamespace(is_first_rank=False, is_last_rank=False),
+    )
+    monkeypatch.setattr(current_platform, "get_global_graph_pool", lambda: None)
+    config = VllmConfig()
+    # After VllmConfig's own resolution, which drops graphs on the CPU.
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
+    config.compilation_config.max_cudagraph_capture_size = 8
+    manager = CudaGraphManager(
+        config, torch.device("cpu"), CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=2
+    )
+    shapes = [
+        (num_reqs, num_tokens, uniform)
+        for num_tokens in range(0, 11)
+        for num_reqs in range(1, num_tokens + 1)
+        for uniform in (None, 2)
+        if uniform is None or num_tokens == 2 * num_reqs
+    ]
+    before = [manager.dispatch(r, n, u, 0).cg_mode for r, n, u in shapes]
+    assert set(before) == {CUDAGraphMode.NONE}  # nothing captured yet
+    manager._graphs_captured = True
+    padded = {}
+    for num_reqs, num_tokens, uniform in shapes:
+        desc = manager.dispatch(num_reqs, num_tokens, uniform, 0)
+        found = manager.find_candidate(num_reqs, num_tokens, uniform, 0)
+        if num_tokens == 0 or found is None:
+            assert desc.cg_mode == CUDAGraphMode.NONE
+            assert desc.num_tokens == num_tokens
+        else:
+            assert desc == found
+        padded[num_reqs, num_tokens, uniform] = desc.num_tokens
+    # Uniform decodes of 2 tokens per request pad to the rounded sizes.
+    assert [padded[n // 2, n, 2] for n in (2, 4, 6, 8, 10)] == [2, 4, 8, 8, 10]
+    assert padded[3, 5, None] == 5  # FULL_DECODE_ONLY: mixed batches run eager

@@ -4,10 +4,12 @@
 
 A model may keep its stage outputs sequence parallel: each TP rank then sends
 and receives its ``ceil(N / TP)``-row shard instead of ``N`` rows. Runners
-take the row count from the tensors that arrived, never from the batch, and
-keep their persistent receive buffers at full capacity.
+check every received hand-off against the rows the model declares for the
+step (at least ``N`` for a model that declares none, as before) and keep
+their persistent receive buffers at full capacity.
 """
 
+from vllm.model_executor.models.interfaces import get_pp_num_rows
 from vllm.sequence import IntermediateTensors
 
 
@@ -27,34 +29,47 @@ def intermediate_tensors_num_rows(intermediate_tensors: IntermediateTensors) -> 
     return counts.pop()
 
 
-def received_num_rows(
-    intermediate_tensors: IntermediateTensors, num_tokens: int
-) -> int:
-    """How many rows of a received hand-off a runner copies and hands over.
-
-    All of them, at most ``num_tokens``: each TP rank of a sequence-parallel
-    model receives its ``ceil(num_tokens / TP)``-row shard; other models send
-    ``num_tokens`` rows.
-    """
-    return min(num_tokens, intermediate_tensors_num_rows(intermediate_tensors))
+def accepts_hand_off(rows: int, num_tokens: int, expected: int | None) -> bool:
+    """Whether a stage that dispatches ``num_tokens`` tokens can take a
+    hand-off of ``rows`` rows: exactly the rows its model declares, or, for a
+    model that declares none, at least ``num_tokens`` (an earlier stage may
+    pad a batch further; the runner then takes the first ``num_tokens``)."""
+    if expected is None:
+        return rows >= num_tokens
+    return rows == expected
 
 
 def hand_over_intermediate_tensors(
     buffers: IntermediateTensors,
     received: IntermediateTensors | None,
     num_tokens: int,
+    model: object,
 ) -> IntermediateTensors:
     """What a runner hands the model on a non-first PP stage.
 
-    A real step copies the received rows into the leading rows of the
-    persistent ``buffers`` and hands exactly those rows. Without ``received``
-    (dummy runs, profiling, capture) the buffers' first ``num_tokens`` rows go
-    as they are, and a sequence-parallel model narrows them itself: to the
-    same leading rows a real step writes, where captured graphs read.
+    A real step checks the received rows against what the model expects for
+    ``num_tokens`` before copying them into the leading rows of the
+    persistent ``buffers``, and hands exactly those rows. Checking here, not
+    in the model, covers CUDA graph replays too. Without ``received`` (dummy
+    runs, profiling, capture) the buffers' first ``num_tokens`` rows go as
+    they are, and a sequence-parallel model narrows them itself: to the same
+    leading rows a real step writes, where captured graphs read.
     """
     if received is None:
         return buffers[:num_tokens]
-    rows = received_num_rows(received, num_tokens)
+    rows = intermediate_tensors_num_rows(received)
+    expected = get_pp_num_rows(model, num_tokens)
+    if not accepts_hand_off(rows, num_tokens, expected):
+        raise ValueError(
+            f"Received PP intermediate tensors of {rows} rows for a step of "
+            f"{num_tokens} tokens where this stage expects "
+            f"{f'at least {num_tokens}' if expected is None else expected}: "
+            "the stages padded the batch differently. Start every node with "
+            "the same --compilation-config, --max-cudagraph-capture-size, "
+            "--enforce-eager and --speculative-config."
+        )
+    if expected is None:
+        rows = num_tokens
     for key, tensor in received.items():
         buffers[key][:rows].copy_(tensor[:rows], non_blocking=True)
     return buffers[:rows]
