@@ -7,7 +7,10 @@
 #                       *.k3-sppp-drift[.N], never overwritten)
 #   make status         what is applied where, and any drift
 #   make check          dry run: which patch and hunk would fail
-#   make pr-diff        one diff for an upstream vLLM pull request
+#   make pr-diff        build/pr/: one diff and description per upstream
+#                       pull request (patches/pull-requests.ini), in order
+#   make rebase         the series three-way onto another vLLM tree, written
+#                       as a patch set for it: VLLM=TREE [OUT=build/rebased]
 #   make lint           ruff and the series' consistency
 #   make manifest       regenerate patches/base.sha256 (the wheel's RECORD) and
 #                       patches/patched.sha256 (what the series writes)
@@ -43,7 +46,7 @@ TARGET := $(if $(VLLM),--target "$(VLLM)")
 APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
-.PHONY: help setup apply revert status check test lint manifest pr-diff comm-report \
+.PHONY: help setup apply revert status check test lint manifest pr-diff rebase comm-report \
 	nccl-bench serve gsm8k gsm8k-compare bench bench-report
 
 help:
@@ -92,7 +95,12 @@ manifest: setup
 	$(APPLY) manifest
 
 pr-diff: setup
-	$(APPLY) export $(TARGET) -o build/k3-sppp-vllm-$(call pin,vllm).diff
+	$(APPLY) export $(TARGET) --pulls build/pr
+
+OUT ?= build/rebased
+rebase: setup
+	@test -n "$(VLLM)" || { echo "make rebase: say which tree: VLLM=TREE"; exit 2; }
+	$(APPLY) rebase --onto "$(VLLM)" --out "$(OUT)"
 
 comm-report: setup
 	$(VPY) -m eval.comm_report $(COMM_ARGS)
