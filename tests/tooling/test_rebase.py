@@ -1,0 +1,178 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``apply.py rebase --onto TREE --out DIR``: the project's series moved
+three-way onto another vLLM tree and written as a patch set for it.
+
+The trees are small copies of the pristine cache (the files the series
+touches, the package's ``__init__`` and version, the dist-info), edited the
+way upstream would (``upstream_edits``), at a hunk picked from the patches
+as they are when the tests run.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+import apply
+from tests.tooling.conftest import PROJECT_DIR, copy_small, run_tool, tree_digest
+from tests.tooling.upstream_edits import (
+    UPSTREAM_EDIT,
+    UPSTREAM_LINE,
+    change_removed_line,
+    copy_files,
+    movable_hunk,
+    move_context,
+    series,
+    series_files,
+)
+
+OLD_DATE = "Last-Update: 2000-01-01"
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A copy of this project's patch set whose patches were last updated
+    long ago, so a refreshed one shows it."""
+    root = tmp_path / "k3-sppp"
+    for part in ("patches", "vllm_overlay"):
+        shutil.copytree(PROJECT_DIR / part, root / part)
+    for patch in series(root / "patches"):
+        text = re.sub(r"^Last-Update: .*$", OLD_DATE, patch.read_text(), flags=re.M)
+        patch.write_text(text)
+    return root
+
+
+@pytest.fixture
+def tree(pristine_cache: Path, tmp_path: Path) -> Path:
+    """vLLM 0.33.0's files that the series reads, in a tree of their own."""
+    root = copy_small(pristine_cache, tmp_path / "vllm-tree")
+    copy_files(pristine_cache, root, series_files(PROJECT_DIR / "patches"))
+    return root
+
+
+def rebase(project: Path, tree: Path, out: Path, pristine: Path):
+    return run_tool(
+        project,
+        "rebase",
+        "--target",
+        str(pristine),
+        "--onto",
+        str(tree),
+        "--out",
+        str(out),
+    )
+
+
+def test_rebase_onto_the_pinned_sources_changes_no_byte_of_any_patch(
+    project, tree, pristine_cache, tmp_path
+):
+    out = tmp_path / "rebased"
+    proc = rebase(project, tree, out, pristine_cache)
+    assert proc.returncode == 0, proc.stderr
+    patches = series(project / "patches")
+    assert f"0 of {len(patches)} patch(es) refreshed" in proc.stdout
+    for patch in patches:
+        assert (out / "patches" / patch.name).read_bytes() == patch.read_bytes()
+    assert tree_digest(out / "vllm_overlay") == tree_digest(project / "vllm_overlay")
+    for name in ("series", "pull-requests.ini"):
+        assert (out / "patches" / name).read_bytes() == (
+            project / "patches" / name
+        ).read_bytes()
+
+
+def test_rebase_onto_moved_context_refreshes_that_patch_alone(
+    project, tree, pristine_cache, tmp_path
+):
+    spot = movable_hunk(project / "patches")
+    move_context(tree, spot)
+    out = tmp_path / "rebased"
+    proc = rebase(project, tree, out, pristine_cache)
+    assert proc.returncode == 0, proc.stderr
+    for patch in series(project / "patches"):
+        new = (out / "patches" / patch.name).read_text()
+        if patch != spot.patch:
+            assert new == patch.read_text(), patch.name
+            continue
+        today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")  # noqa: UP017
+        old_head = patch.read_text().split("\n---\n")[0].split("\n")
+        new_head = new.split("\n---\n")[0].split("\n")
+        assert [ln for ln in new_head if not ln.startswith("Last-Update:")] == [
+            ln for ln in old_head if not ln.startswith("Last-Update:")
+        ]
+        assert f"Last-Update: {today}" in new_head
+        assert OLD_DATE in old_head
+        assert (
+            new.split("\ndiff --git ")[1:]
+            != patch.read_text().split("\ndiff --git ")[1:]
+        )
+
+
+def test_the_rebased_set_applies_and_reverts_on_its_tree(
+    project, tree, pristine_cache, tmp_path
+):
+    spot = movable_hunk(project / "patches")
+    move_context(tree, spot)
+    out = tmp_path / "rebased"
+    assert rebase(project, tree, out, pristine_cache).returncode == 0
+    before = tree_digest(tree)
+    applied = run_tool(out, "apply", "--target", str(tree))
+    assert applied.returncode == 0, applied.stderr
+    text = (tree / spot.file).read_text()
+    assert text.count(UPSTREAM_LINE) == 2
+    assert (tree / spot.file).read_bytes() != (pristine_cache / spot.file).read_bytes()
+    status = apply.status(tree, out)
+    assert status["state"] == "applied" and status["exit_code"] == 0, status
+    reverted = run_tool(out, "revert", "--target", str(tree))
+    assert reverted.returncode == 0, reverted.stderr
+    after = {k: v for k, v in tree_digest(tree).items() if "__pycache__" not in k}
+    assert after == before
+
+
+def test_rebase_onto_changed_lines_names_the_hunk_with_both_sides_and_writes_nothing(
+    project, tree, pristine_cache, tmp_path
+):
+    spot = movable_hunk(project / "patches")
+    edited = change_removed_line(tree, spot)
+    out = tmp_path / "rebased"
+    proc = rebase(project, tree, out, pristine_cache)
+    assert proc.returncode == apply.EXIT_ERROR
+    assert f"{spot.patch.name} does not apply to {tree}, even three-way" in proc.stderr
+    assert f"CONFLICT {spot.file} hunk #{spot.number} ({spot.header})" in proc.stderr
+    sides = proc.stderr.split(f"{tree} (ours):")[1]
+    ours, rest = sides.split("vLLM 0.33.0 (base):")
+    base, theirs = rest.split(f"{spot.patch.name} (theirs):")
+    assert f"| {edited}" in ours
+    assert f"| {edited.replace(UPSTREAM_EDIT, '')}" in base
+    assert UPSTREAM_EDIT not in theirs
+    assert not out.exists()
+
+
+def test_rebase_never_writes_this_checkouts_patch_set(
+    project, tree, pristine_cache, tmp_path
+):
+    before = tree_digest(project / "patches")
+    spot = movable_hunk(project / "patches")
+    change_removed_line(tree, spot)
+    assert rebase(project, tree, tmp_path / "conflict", pristine_cache).returncode != 0
+    (tree / spot.file).unlink()
+    shutil.copy2(pristine_cache / spot.file, tree / spot.file)
+    move_context(tree, spot)
+    assert rebase(project, tree, tmp_path / "rebased", pristine_cache).returncode == 0
+    assert tree_digest(project / "patches") == before
+
+
+def test_rebase_refuses_an_output_directory_that_holds_files(
+    project, tree, pristine_cache, tmp_path
+):
+    out = tmp_path / "rebased"
+    (out / "patches").mkdir(parents=True)
+    (out / "patches" / "series").write_text("mine\n")
+    proc = rebase(project, tree, out, pristine_cache)
+    assert proc.returncode == apply.EXIT_ERROR
+    assert f"{out}: exists and is not an empty directory" in proc.stderr
+    assert (out / "patches" / "series").read_text() == "mine\n"
+    shutil.rmtree(out)
