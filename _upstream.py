@@ -567,9 +567,10 @@ def rebase(
     version: str | None = None,
 ) -> Rebased:
     """Write to ``out`` the patch set rebased onto ``onto``: refreshed
-    patches, series, the pull-request declaration and any other file of
-    ``patches/``, ``base.version``, ``base.sha256`` and ``patched.sha256``
-    for that tree, and the overlay unchanged.  ``patch_set`` is only read."""
+    patches, series, the pull-request declaration (and the result files
+    whose figures it quotes) and any other file of ``patches/``,
+    ``base.version``, ``base.sha256`` and ``patched.sha256`` for that tree,
+    and the overlay unchanged.  ``patch_set`` is only read."""
     require_clean(patch_set)
     version = version or onto.version()
     if version is None:
@@ -639,6 +640,11 @@ def write_rebased(
         dest / "vllm_overlay",
         ignore=shutil.ignore_patterns("__pycache__"),
     )
+    if (patch_set.patch_dir / PULLS).is_file():  # the figures they quote
+        pulls, _ = read_pulls(patch_set)
+        for name in {f.partition("#")[0] for pr in pulls for f in pr.figures}:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(patch_set.root / name, dest / name)
 
 
 def cmd_rebase(args: argparse.Namespace) -> int:

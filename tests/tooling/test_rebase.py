@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 import apply
+from _apply import git
 from tests.tooling.conftest import PROJECT_DIR, copy_small, run_tool, tree_digest
 from tests.tooling.upstream_edits import (
     UPSTREAM_EDIT,
@@ -38,7 +39,7 @@ def project(tmp_path: Path) -> Path:
     """A copy of this project's patch set whose patches were last updated
     long ago, so a refreshed one shows it."""
     root = tmp_path / "k3-sppp"
-    for part in ("patches", "vllm_overlay"):
+    for part in ("patches", "vllm_overlay", "results"):
         shutil.copytree(PROJECT_DIR / part, root / part)
     for patch in series(root / "patches"):
         text = re.sub(r"^Last-Update: .*$", OLD_DATE, patch.read_text(), flags=re.M)
@@ -176,3 +177,22 @@ def test_rebase_refuses_an_output_directory_that_holds_files(
     assert f"{out}: exists and is not an empty directory" in proc.stderr
     assert (out / "patches" / "series").read_text() == "mine\n"
     shutil.rmtree(out)
+
+
+def test_the_rebased_set_writes_its_pull_requests_against_its_tree(
+    project, tree, pristine_cache, tmp_path
+):
+    spot = movable_hunk(project / "patches")
+    move_context(tree, spot)
+    out = tmp_path / "rebased"
+    assert rebase(project, tree, out, pristine_cache).returncode == 0
+    pulls = tmp_path / "pr"
+    proc = run_tool(out, "export", "--pulls", str(pulls), "--target", str(tree))
+    assert proc.returncode == 0, proc.stderr
+    diffs = sorted(pulls.glob("*.diff"))
+    assert diffs and len(diffs) == len(sorted(pulls.glob("*.md")))
+    git(["init", "-q", "--template="], tree)
+    for diff in diffs:
+        applied = git(["apply", str(diff)], tree, check=False)
+        assert applied.returncode == 0, applied.stderr
+    assert UPSTREAM_LINE in (tree / spot.file).read_text()
