@@ -554,8 +554,10 @@ def not_tried(rest: list[Patch]) -> str:
     names = ", ".join(p.name for p in rest)
     return (
         (f"\nnot tried: {names}" if rest else "")
-        + "\nnothing was written; resolve it in a devtree of the tree "
-        "(`apply.py devtree`, `git am -3`), or port the patch, and rebase again"
+        + "\nnothing was written; `git am -3` of the series in a git clone of "
+        "that vLLM stops at this patch: resolve it there, `git am "
+        "--continue`, and `git format-patch` the commits into the new patch set "
+        "(README: Upstreaming)"
     )
 
 
