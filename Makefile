@@ -11,7 +11,8 @@
 #                       pull request (patches/pull-requests.ini), in order
 #   make rebase         the series three-way onto another vLLM tree, written
 #                       as a patch set for it: VLLM=TREE [OUT=build/rebased]
-#   make lint           ruff and the series' consistency
+#                       [ONTO_VERSION=] (where TREE does not say its version)
+#   make lint           ruff, the series' consistency, the pull requests' order
 #   make manifest       regenerate patches/base.sha256 (the wheel's RECORD) and
 #                       patches/patched.sha256 (what the series writes)
 #   make nccl-bench     time the SP hand-off and the packed end gather over
@@ -100,7 +101,8 @@ pr-diff: setup
 OUT ?= build/rebased
 rebase: setup
 	@test -n "$(VLLM)" || { echo "make rebase: say which tree: VLLM=TREE"; exit 2; }
-	$(APPLY) rebase --onto "$(VLLM)" --out "$(OUT)"
+	$(APPLY) rebase --onto "$(VLLM)" --out "$(OUT)" \
+		$(if $(ONTO_VERSION),--onto-version "$(ONTO_VERSION)")
 
 comm-report: setup
 	$(VPY) -m eval.comm_report $(COMM_ARGS)

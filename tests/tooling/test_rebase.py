@@ -196,3 +196,30 @@ def test_the_rebased_set_writes_its_pull_requests_against_its_tree(
         applied = git(["apply", str(diff)], tree, check=False)
         assert applied.returncode == 0, applied.stderr
     assert UPSTREAM_LINE in (tree / spot.file).read_text()
+
+
+def test_rebase_writes_the_version_the_tree_says_or_the_one_named(
+    project, tree, pristine_cache, tmp_path
+):
+    (tree / "vllm" / "_version.py").unlink()
+    for info in tree.glob("vllm-*.dist-info"):
+        shutil.rmtree(info)
+    proc = rebase(project, tree, tmp_path / "unknown", pristine_cache)
+    assert proc.returncode == apply.EXIT_ERROR
+    assert "its vLLM version is unknown" in proc.stderr
+    assert "--onto-version" in proc.stderr
+    out = tmp_path / "named"
+    proc = run_tool(
+        project,
+        "rebase",
+        "--target",
+        str(pristine_cache),
+        "--onto",
+        str(tree),
+        "--out",
+        str(out),
+        "--onto-version",
+        "0.34.0.dev1",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert apply.base_version(out) == "0.34.0.dev1"
