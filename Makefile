@@ -16,24 +16,31 @@
 #   make manifest       regenerate patches/base.sha256 (the wheel's RECORD) and
 #                       patches/patched.sha256 (what the series writes)
 #   make nccl-bench     time the SP hand-off and the packed end gather over
-#                       NCCL (gloo on CPU): NPROC=4 NCCL_ARGS="--part handoff --tp 2"
+#                       NCCL: NPROC=4 NCCL_ARGS="--part handoff --tp 2"
+#                       (gloo on CPU: a small grid, a few minutes)
 #   make comm-report    what one step communicates, per rank and phase, on
-#                       real CPU ranks (COMM_ARGS="--tp 2 --pp 2 --tokens 17")
+#                       real CPU ranks (COMM_ARGS="--tp 2 --pp 2 --tokens 17";
+#                       the ranks' start-up output: build/comm-report.log)
 #   make serve          print one arm's serve command for one node; RUN=1
 #                       checks the node and starts it: ARM=mega-sp|fi-ep|
 #                       fi-noep NODE_RANK= MODEL= MASTER_ADDR= HOST_IP=
-#                       DEEPGEMM= [SERVE_PYTHON=]
+#                       DEEPGEMM= (mega-sp) [SERVE_PYTHON=, default .venv's]
 #   make gsm8k          GSM8K with lm-eval against a running arm: ARM=
 #                       BASE_URL= MODEL= [LIMIT=] [GSM8K_DATA=dir] [FORCE=1]
 #   make gsm8k-compare  table and paired verdict per arm [BASELINE=fi-ep]
-#   make bench          the prefill sweep against a running arm: ARM=
-#                       BASE_URL= MODEL= TOKENIZER= [POINTS=128x1,8192x4]
+#   make bench          a throughput sweep against a running arm: ARM=
+#                       BASE_URL= MODEL= TOKENIZER= [SWEEP=prefill|decode|
+#                       mixed|all] [POINTS=128x1,8192x4]
 #                       [ALLOW_PREFIX_CACHING=1]
-#   make bench-report   tables, JSON summary and plots from results/bench
+#   make bench-report   per sweep: tables, verdicts, JSON summary and plots
+#                       from results/bench
 #   make setup          only the pinned .venv
 #
-# VLLM=/path points apply, revert, status and check at your own vLLM
-# (site-packages, venv, checkout root or the vllm/ package) instead of .venv.
+# VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
+# (site-packages, venv, checkout root or the vllm/ package) instead of .venv,
+# and tells gsm8k and bench whose patch state to record.
+# Needs: python3 (3.9+) for apply.py; PYTHON=python3.11 (3.11+, as vLLM 0.33.0)
+# on PATH to build .venv, or PYTHON=/path/to/python3.11.
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -55,8 +62,25 @@ help:
 
 setup: $(STAMP)
 
+# vLLM 0.33.0 needs Python 3.11 or newer: say so, and how to get one, before
+# a venv is attempted.
 $(STAMP): setup.cfg
-	@test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(VPY) || { \
+	if ! command -v "$(PYTHON)" > /dev/null 2>&1; then \
+		echo "make setup: $(PYTHON) is not on PATH; vLLM $(call pin,vllm) needs" \
+			"Python 3.11 or newer. Install it (Ubuntu 22.04: sudo apt install" \
+			"python3.11 python3.11-venv; or uv python install 3.11) or point" \
+			"PYTHON= at one: make apply PYTHON=/path/to/python3.11" >&2; \
+		exit 1; \
+	fi; \
+	"$(PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
+		echo "make setup: $(PYTHON) is Python" \
+			"$$("$(PYTHON)" -c 'import platform; print(platform.python_version())')," \
+			"vLLM $(call pin,vllm) needs 3.11 or newer: PYTHON=/path/to/python3.11" >&2; \
+		exit 1; }; \
+	"$(PYTHON)" -m venv $(VENV) || { rm -rf $(VENV); \
+		echo "make setup: $(PYTHON) -m venv failed (Debian/Ubuntu: sudo apt" \
+			"install python3.11-venv)" >&2; exit 1; }; }
 	$(VPY) -m pip install --quiet "vllm==$(call pin,vllm)" \
 		"torch==$(call pin,torch)" $(call pin,dev) \
 		$(foreach req,$(call pin,eval),"$(req)")
@@ -72,8 +96,11 @@ apply: $(if $(VLLM),,setup)
 revert:
 	$(APPLY) revert $(TARGET) $(if $(FORCE),--force)
 
+# Not applied (3), drift (4) and another revision (6) are answers, not make
+# errors; scripts read apply.py's own exit code. Interrupted (5) and errors fail.
 status:
-	$(APPLY) status $(TARGET)
+	@$(APPLY) status $(TARGET); code=$$?; \
+	case $$code in 0|3|4|6) ;; *) exit $$code ;; esac
 
 check:
 	$(APPLY) check $(TARGET)
@@ -113,9 +140,15 @@ nccl-bench: setup
 		$(VPY) -m torch.distributed.run --nproc-per-node $(NPROC) \
 		eval/nccl_bench.py $(NCCL_ARGS)
 
+# Run by the interpreter that serves: vLLM 0.33.0's (Python 3.11+), whatever
+# python3 the node has.
 SERVE_PYTHON ?= $(abspath $(VPY))
 serve:
-	python3 -m eval.serve --arm "$(ARM)" --node-rank "$(NODE_RANK)" \
+	@command -v "$(SERVE_PYTHON)" > /dev/null || { \
+		echo "make serve: no python at SERVE_PYTHON=$(SERVE_PYTHON): run" \
+			"\`make apply\` (it builds .venv) or set SERVE_PYTHON= to the python" \
+			"of the environment that serves vLLM $(call pin,vllm)" >&2; exit 1; }
+	@"$(SERVE_PYTHON)" -m eval.serve --arm "$(ARM)" --node-rank "$(NODE_RANK)" \
 		--model "$(MODEL)" --master-addr "$(MASTER_ADDR)" --host-ip "$(HOST_IP)" \
 		--deepgemm "$(DEEPGEMM)" --python "$(SERVE_PYTHON)" $(if $(RUN),--run)
 
@@ -131,7 +164,7 @@ gsm8k-compare: setup
 
 bench: setup
 	$(VPY) -m eval.bench run --arm "$(ARM)" --base-url "$(BASE_URL)" \
-		--model "$(MODEL)" --tokenizer "$(TOKENIZER)" \
+		--model "$(MODEL)" --tokenizer "$(TOKENIZER)" $(if $(SWEEP),--sweep "$(SWEEP)") \
 		$(if $(POINTS),--points "$(POINTS)") $(if $(VLLM),--target "$(VLLM)") \
 		$(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
 

@@ -18,7 +18,9 @@ Exit codes:
     1    error; no file of the target was changed
     2    usage error
     3    ``status``: not applied
-    4    base files differ from the pin, or patched files changed since apply
+    4    base files differ from the pin (``status``: or another vLLM
+         version), or patched files changed since apply or are not the
+         reviewed result (``patches/patched.sha256``)
     5    ``status``: an interrupted apply or revert, what it left, or a
          lost journal with backups of vLLM files; ``apply``/``revert``:
          stopped part-way (the message names the command that finishes
@@ -30,8 +32,9 @@ Exit codes:
     130  interrupted (Ctrl-C); ``status`` says where it stopped
 
 Other programs read ``status --json``: one JSON object whose schema
-``status()`` documents (``schema_version`` 1).  Python code imports this
-file and uses only the names in ``__all__``; each takes ``target`` and
+``status()`` documents (``schema_version`` 1).  Python code imports
+``apply.py`` (which refuses Pythons older than 3.9, then re-exports this
+module's ``__all__``) and uses only those names; each takes ``target`` and
 ``patch_set`` as ``--target`` and ``--patch-set`` do.  The patch set names
 the vLLM version it applies to in ``patches/base.version``.
 """
@@ -135,8 +138,9 @@ _FS_NO_REPLACE_FL = 0x10 | 0x20
 class ApplyError(Exception):
     """A failure reported to the user as one message.
 
-    ``code`` says what was left: 1 (nothing changed), 4 (refused, drift) or
-    5 (stopped part-way; the journal records where).
+    ``code`` says what was left: 1 (nothing changed), 4 (refused, drift),
+    5 (stopped part-way, or a lost journal refused) or 7 (an interrupted run
+    was finished, then this one failed).
     """
 
     def __init__(self, message: str, code: int = EXIT_ERROR) -> None:
@@ -564,6 +568,7 @@ def base_version_problems(patch_set: PatchSet) -> list[str]:
 
 
 MAKE_VERBS = ("apply", "revert", "status", "check", "manifest", "lint")
+VLLM_VERBS = ("apply", "revert", "status", "check")  # the targets taking VLLM=
 # The header of both manifests names the command that writes them, the same
 # whatever directory it ran in.
 GENERATED_BY = "`make manifest` (`python3 apply.py manifest`)"
@@ -589,7 +594,11 @@ def command_line(
     with contextlib.suppress(OSError):
         here = Path.cwd().resolve() == PROJECT_DIR
     other = target is not None and Path(target).resolve() != default_root()
-    if own and verb in MAKE_VERBS and all(flag in MAKE_FLAGS for flag in flags):
+    if (
+        own
+        and verb in (VLLM_VERBS if other else MAKE_VERBS)
+        and all(flag in MAKE_FLAGS for flag in flags)
+    ):
         words = ["make"] if here else ["make", "-C", str(PROJECT_DIR)]
         words += [verb, *(MAKE_FLAGS[flag] for flag in flags)]
         words += [f"VLLM={target}"] if other else []
@@ -2549,9 +2558,11 @@ def write_base_manifest(patch_set: PatchSet, target: Target) -> Path:
     ]
     for rel in patch_set.patched_files:
         if rel not in record:
+            patches = [str(p.path) for p in patch_set.patches if rel in p.files]
             raise ApplyError(
-                f"{rel}: not in vLLM {base}'s RECORD; a "
-                "new file belongs in vllm_overlay/, not a patch"
+                f"{rel}: not in vLLM {base}'s RECORD ({target.root}), but "
+                f"{', '.join(patches)} changes it; a new file belongs in "
+                f"{patch_set.overlay_dir}/, not a patch"
             )
         lines.append(f"{record[rel]}  {rel}")
     path = patch_set.patch_dir / MANIFEST

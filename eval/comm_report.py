@@ -9,19 +9,28 @@ the test bed of ``tests/sppp_testbed``: it runs the scenario on that bed's
 real ranks (CPU, gloo) and prints Markdown: a table of
 calls and bytes per rank, phase and operation, and a table of every tensor
 that crosses a PP boundary with the shape that actually travels. Bytes are
-float64 here; multiply by 1/4 for bf16.
+float64 here; multiply by 1/4 for bf16. What the ranks print while they start
+(import warnings of a CPU machine) goes to ``--log``, which the first line
+names; the report ends with the end gather the step took.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import apply
-from tests.sppp_testbed.launcher import RankPool
-from tests.sppp_testbed.stages import Scenario, StageResult, run_step
+
+if TYPE_CHECKING:
+    from tests.sppp_testbed.stages import Scenario, StageResult
+
+PROJECT_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_LOG = PROJECT_DIR / "build" / "comm-report.log"
 
 
 def patch_state() -> str:
@@ -139,13 +148,59 @@ def end_gather_path(last: StageResult) -> str:
     )
 
 
+@contextlib.contextmanager
+def output_to(log: Path) -> Iterator[None]:
+    """This process's stdout and stderr, and those of every process it starts
+    meanwhile (the ranks' fork server, hence the ranks), go to ``log``."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for descriptor in (fd, *saved):
+            os.close(descriptor)
+
+
+def run_ranks(tp: int, pp: int, scenario: Scenario) -> list[StageResult]:
+    """One step on ``tp * pp`` ranks, their shared memory released after it."""
+    from tests.sppp_testbed.launcher import RankPool
+    from tests.sppp_testbed.stages import run_step
+    from vllm.distributed import destroy_model_parallel
+
+    pool = RankPool(tp, pp)
+    try:
+        results = pool.run(run_step, scenario)
+        # The pool kills its ranks; each TP group's broadcaster (vLLM's shared
+        # memory ring, made by the group's first rank) would outlive them, and
+        # the resource tracker would warn at exit. vLLM's teardown unlinks it.
+        pool.run(destroy_model_parallel)
+    finally:
+        pool.close()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", type=int, default=2)
-    parser.add_argument("--pp", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=17)
-    parser.add_argument("--sp", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--attn-res", action="store_true")
+    parser.add_argument("--tp", type=int, default=2, help="TP size (ranks per stage)")
+    parser.add_argument("--pp", type=int, default=2, help="PP size (stages)")
+    parser.add_argument("--tokens", type=int, default=17, help="tokens in the step (N)")
+    parser.add_argument(
+        "--sp",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="ask for sequence parallelism (the MegaMoE + EP + TP > 1 setup)",
+    )
+    parser.add_argument(
+        "--attn-res", action="store_true", help="the attention-residual variant"
+    )
     parser.add_argument(
         "--aux",
         default="0,2,3",
@@ -162,23 +217,41 @@ def main(argv: list[str] | None = None) -> int:
         help="the seed's VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT=1 and "
         "VLLM_MOE_SKIP_PADDING=1, with a padding mask in the forward context",
     )
-    args = parser.parse_args(argv)
-    scenario = Scenario(
-        sp=args.sp,
-        num_tokens=args.tokens,
-        attn_res=args.attn_res,
-        aux_layers=tuple(int(x) for x in args.aux.split(",") if x),
-        production_flags=args.production_flags,
-        packed_gather_max_bytes=args.packed_gather_max_bytes,
+    parser.add_argument(
+        "--log",
+        type=Path,
+        default=DEFAULT_LOG,
+        help="where the ranks' start-up output goes (default: %(default)s)",
     )
+    args = parser.parse_args(argv)
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
-    print(f"starting TP{args.tp}×PP{args.pp} ranks ...", file=sys.stderr, flush=True)
-    pool = RankPool(args.tp, args.pp)
+    args.log.parent.mkdir(parents=True, exist_ok=True)
+    print(
+        f"comm-report: TP{args.tp}×PP{args.pp} ranks on the CPU; their start-up "
+        f"output goes to {args.log}",
+        file=sys.stderr,
+        flush=True,
+    )
     try:
-        results = pool.run(run_step, scenario)
-    finally:
-        pool.close()
-    sys.stdout.write(render(scenario, args.tp, results))
+        with output_to(args.log):
+            from tests.sppp_testbed.stages import Scenario
+
+            scenario = Scenario(
+                sp=args.sp,
+                num_tokens=args.tokens,
+                attn_res=args.attn_res,
+                aux_layers=tuple(int(x) for x in args.aux.split(",") if x),
+                production_flags=args.production_flags,
+                packed_gather_max_bytes=args.packed_gather_max_bytes,
+            )
+            results = run_ranks(args.tp, args.pp, scenario)
+            report = render(scenario, args.tp, results)
+    except BaseException:
+        print(
+            f"comm-report: failed; the ranks' output is in {args.log}", file=sys.stderr
+        )
+        raise
+    sys.stdout.write(report)
     return 0
 
 

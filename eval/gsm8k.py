@@ -425,17 +425,60 @@ def compare(args: argparse.Namespace) -> int:
     return 0 if all(v.passed for v in verdicts) else 1
 
 
+EXIT_CODES = """exit status:
+  run      0 saved; 1 the run could not start or finish (the message says
+           why); 2 a usage error
+  compare  0 every arm non-inferior to the baseline; 1 an arm is not;
+           2 nothing to compare (no baseline run, one run, or runs that
+           differ in questions, few-shot or generation settings, or serving
+           environment)"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--results", type=Path, default=RESULTS_DIR)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS_DIR,
+        help="directory of the runs, one per arm (default: results/gsm8k)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    run_parser = sub.add_parser("run", help="GSM8K for one arm")
+    run_parser = sub.add_parser(
+        "run",
+        help="GSM8K for one arm",
+        description="GSM8K for one arm against its running server.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_server_arguments(run_parser)
-    run_parser.add_argument("--limit", type=int)
-    run_parser.add_argument("--data", type=Path, help="dir with train/test.jsonl")
-    run_parser.add_argument("--force", action="store_true")
-    compare_parser = sub.add_parser("compare", help="paired verdict across arms")
-    compare_parser.add_argument("--baseline", default="fi-ep")
+    run_parser.add_argument(
+        "--limit", type=int, help="only the first LIMIT questions (default: all)"
+    )
+    run_parser.add_argument(
+        "--data",
+        type=Path,
+        help="directory with GSM8K's train.jsonl and test.jsonl, instead of "
+        "the Hugging Face Hub",
+    )
+    run_parser.add_argument(
+        "--force",
+        action="store_true",
+        help="replace a finished run of the arm (kept as <arm>.prev)",
+    )
+    compare_parser = sub.add_parser(
+        "compare",
+        help="paired verdict across arms",
+        description="Accuracy table and paired non-inferiority verdict per arm.",
+        epilog=EXIT_CODES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    compare_parser.add_argument(
+        "--baseline", default="fi-ep", help="the arm others are compared with"
+    )
     args = parser.parse_args(argv)
     try:
         return run(args) if args.command == "run" else compare(args)

@@ -39,7 +39,9 @@ by ``(n-1)/n`` for an all-gather of ``n`` ranks and by 1 for a send or a copy.
 Every point first checks that each variant delivers exactly the rows the
 model needs. Results go to ``--out`` as JSON (setup, device, versions,
 command, every repetition) and a Markdown table built from that JSON alone
-(``--table-from FILE.json`` rebuilds it).
+(``--table-from FILE.json`` rebuilds it); both are rewritten after every
+point (``complete`` is false until the last), and a line per point says how
+far the run is and about how long is left.
 
     python -m torch.distributed.run --nproc-per-node 2 eval/nccl_bench.py \\
         --part peak,gather,components
@@ -49,7 +51,8 @@ command, every repetition) and a Markdown table built from that JSON alone
 with ``python`` an interpreter that has PyTorch (``make nccl-bench`` uses
 ``.venv``'s); the script needs nothing else of this checkout. On CPU it runs
 the same code over gloo (host clock instead of CUDA events), which is how the
-tests keep it honest without a GPU.
+tests keep it honest without a GPU; there the default grid is small
+(``CPU_TOKENS``, ``CPU_PEAK_MIB``), and the first line says so.
 """
 
 from __future__ import annotations
@@ -94,6 +97,9 @@ __all__ = [
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 PARTS = ("peak", "gather", "components", "handoff")
 DEFAULT_TOKENS = "8,64,256,1024,4096,16384,32768"
+# On the CPU (gloo): a check of the script and a rough comparison, in minutes.
+CPU_TOKENS = "8,64,256,1024"
+CPU_PEAK_MIB = 64
 # Multicast over NVLink can take a shared host's GPUs down: always off.
 SAFETY_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -674,6 +680,12 @@ def markdown(report: dict) -> str:
         f"{setup['reps']} repetitions of ~{setup['target_ms']} ms each"
     )
     lines = [f"# NCCL bench: {head}", ""]
+    if not report.get("complete", True):  # reports before schema 2's key: whole
+        lines += [
+            "**Incomplete**: the run stopped before its last point; the tables "
+            "hold the points it finished.",
+            "",
+        ]
     lines += [
         "Times: median [min–max] over the repetitions, each the slowest rank's "
         "time per iteration of a back-to-back loop. busbw in GB/s"
@@ -842,20 +854,55 @@ def layout_problem(parts: Sequence[str], tp: int, world: int) -> str | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", default="peak,gather,components")
+    parser.add_argument(
+        "--part",
+        default="peak,gather,components",
+        help=f"comma-separated parts to run, of {', '.join(PARTS)}",
+    )
     parser.add_argument("--tp", type=int, default=2, help="TP size (PP is world/TP)")
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--tokens", default=DEFAULT_TOKENS, help="N values")
-    parser.add_argument("--aux", default="1,3", help="gather: k values")
-    parser.add_argument("--reps", type=int, default=20, help="R: repetitions")
-    parser.add_argument("--target-ms", type=float, default=20.0)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--min-iters", type=int, default=5)
-    parser.add_argument("--max-iters", type=int, default=1000)
-    parser.add_argument("--peak-mib", type=int, default=1024)
-    parser.add_argument("--peak-copies", type=int, default=10)
-    parser.add_argument("--cuda-graph", action="store_true")
+    parser.add_argument(
+        "--hidden", type=int, default=7168, help="hidden size (Kimi K3: 7168)"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="bf16", help="element type"
+    )
+    parser.add_argument(
+        "--tokens",
+        help=f"N values, comma-separated (default: {DEFAULT_TOKENS} on GPUs, "
+        f"{CPU_TOKENS} on the CPU)",
+    )
+    parser.add_argument("--aux", default="1,3", help="gather: k values (aux states)")
+    parser.add_argument(
+        "--reps", type=int, default=20, help="R: timed repetitions per measurement"
+    )
+    parser.add_argument(
+        "--target-ms",
+        type=float,
+        default=20.0,
+        help="how long one repetition should last; sets M, the iterations in it",
+    )
+    parser.add_argument(
+        "--warmup", type=int, default=5, help="untimed iterations before timing"
+    )
+    parser.add_argument("--min-iters", type=int, default=5, help="smallest M")
+    parser.add_argument("--max-iters", type=int, default=1000, help="largest M")
+    parser.add_argument(
+        "--peak-mib",
+        type=int,
+        help=f"peak: bytes per transfer, MiB (default: 1024 on GPUs, "
+        f"{CPU_PEAK_MIB} on the CPU)",
+    )
+    parser.add_argument(
+        "--peak-copies",
+        type=int,
+        default=10,
+        help="peak: back-to-back copies per timed repetition",
+    )
+    parser.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="capture the M iterations once and time graph replays",
+    )
     parser.add_argument(
         "--producer",
         action="store_true",
@@ -863,7 +910,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--name", default="", help="output stem")
     parser.add_argument("--source-commit", default="", help="recorded as given")
-    parser.add_argument("--out", type=Path, default=Path("results/nccl"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("results/nccl"),
+        help="directory of the JSON and Markdown results",
+    )
     parser.add_argument("--table-from", type=Path, help="rebuild a table; no run")
     parser.add_argument(
         "--link-peak-from", type=Path, help="a report whose peak part to read"
@@ -877,6 +929,69 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.torch_dtype = DTYPES[args.dtype]
     args.parser = parser
     return args
+
+
+def token_grid(tokens: str | None, cuda: bool) -> tuple[list[int], str]:
+    """The N values to measure, and what to say about them before starting.
+
+    On the CPU the collectives run over gloo with the host clock: a check of
+    the script and a rough comparison, not NCCL's figures; the GPU grid's
+    large N would take many minutes and gigabytes there, so the default is
+    the small grid."""
+    if cuda:
+        return [int(t) for t in (tokens or DEFAULT_TOKENS).split(",")], ""
+    note = "nccl-bench: no CUDA device: gloo on the CPU, timed by the host clock"
+    if tokens:
+        return [int(t) for t in tokens.split(",")], note
+    return [int(t) for t in CPU_TOKENS.split(",")], (
+        f"{note}; the small CPU grid N={CPU_TOKENS} (the GPU grid is "
+        f"N={DEFAULT_TOKENS}; --tokens sets it)"
+    )
+
+
+class Progress:
+    """A line per finished point on rank 0: elapsed time, points done, and an
+    estimate of the time left from the mean time per point so far (larger N
+    take longer, so it is low early in a grid)."""
+
+    def __init__(self, total: int, rank: int) -> None:
+        self.total, self.done, self.rank = total, 0, rank
+        self.started = time.monotonic()
+
+    def point(self, text: str) -> None:
+        self.done += 1
+        if self.rank != 0:
+            return
+        elapsed = time.monotonic() - self.started
+        left = elapsed / self.done * (self.total - self.done)
+        estimate = (
+            f"; about {fmt_duration(left)} left at this pace"
+            if self.done < self.total
+            else ""
+        )
+        print(
+            f"[{elapsed:6.1f}s] {text}: done ({self.done}/{self.total} points"
+            f"{estimate})",
+            flush=True,
+        )
+
+
+def fmt_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    return f"{seconds / 60:.0f} min"
+
+
+def save(report: dict, path: Path) -> None:
+    """Write the JSON and its table, each replaced whole: an interrupted run
+    leaves the last finished point's files, never half a file."""
+    for target, text in (
+        (path, json.dumps(report, indent=1) + "\n"),
+        (path.with_suffix(".md"), markdown(report)),
+    ):
+        partial = target.with_name(f".{target.name}.tmp")
+        partial.write_text(text)
+        os.replace(partial, target)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -899,7 +1014,11 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         args.parser.error(problem)
     pp = world // args.tp
-    tokens = [int(t) for t in args.tokens.split(",")]
+    tokens, note = token_grid(args.tokens, cuda)
+    if args.peak_mib is None:
+        args.peak_mib = 1024 if cuda else CPU_PEAK_MIB
+        if "peak" in args.parts and not cuda:
+            note += f"; peak transfers of {CPU_PEAK_MIB} MiB (--peak-mib)"
     aux = [int(k) for k in args.aux.split(",")]
 
     whole = make_group(range(world), cuda)
@@ -908,48 +1027,89 @@ def main(argv: list[str] | None = None) -> int:
     ]
     pair = make_group([0, 1], cuda) if world > 1 else whole
     clock = Clock(args, device)
-    started = time.monotonic()
+    per_part = {
+        "peak": 1,
+        "gather": len(tokens) * len(aux),
+        "components": len(tokens),
+        "handoff": len(tokens),
+    }
+    progress = Progress(sum(per_part[p] for p in args.parts), rank)
+    stem = args.name or f"{'_'.join(args.parts)}-TP{args.tp}xPP{pp}-{args.dtype}"
+    path = args.out / f"{stem}.json"
+    report: dict = {"schema": 2, "parts": args.parts, "complete": False}
+    if rank == 0:
+        report |= describe_run(args, argv, cuda, device, world, pp, tokens, aux)
+        args.out.mkdir(parents=True, exist_ok=True)
+        if note:
+            print(note, flush=True)
+        print(
+            f"nccl-bench: {progress.total} points; {path} and its .md are "
+            "rewritten after each one, so a stopped run keeps what it finished",
+            flush=True,
+        )
 
-    def progress(text: str) -> None:
-        if rank == 0:
-            print(f"[{time.monotonic() - started:6.1f}s] {text}", flush=True)
+    def finished(text: str) -> None:
+        if rank == 0:  # saved before it is said to be done
+            save(with_peak(report, args), path)
+        progress.point(text)
 
-    report: dict = {"schema": 2, "parts": args.parts}
     if "peak" in args.parts:
         report["peak"] = peak_part(args, pair, clock, device) if pair.member else None
-        progress("peak: done")
+        finished("peak")
     if "gather" in args.parts:
         last = stages[-1]
-        points = []
+        report["gather"] = {"tp": args.tp, "points": [], "crossover": []}
+        points = report["gather"]["points"]
         for n in tokens:
             for k in aux:
+                point = None
                 if last.member:
-                    points.append(gather_point(args, n, k, last, clock, device))
-                dist.barrier(group=whole.host_pg)
-                progress(f"gather N={n} k={k}: done")
-        # The last stage gathered; rank 0 writes the report.
-        shared = [points]
-        dist.broadcast_object_list(shared, src=last.ranks[0], group=whole.host_pg)
-        points = shared[0]
-        report["gather"] = {"tp": args.tp, "points": points}
-        report["gather"]["crossover"] = [crossover(points, k) for k in aux]
+                    point = gather_point(args, n, k, last, clock, device)
+                # The last stage measured; every rank keeps the point.
+                shared = [point]
+                dist.broadcast_object_list(
+                    shared, src=last.ranks[0], group=whole.host_pg
+                )
+                points.append(shared[0])
+                report["gather"]["crossover"] = [crossover(points, k) for k in aux]
+                finished(f"gather N={n} k={k}")
     if "components" in args.parts:
-        points = []
+        report["components"] = {"points": []}
         for n in tokens:
             if pair.member:
-                points.append(components_point(args, n, pair, clock, device))
-            progress(f"components N={n}: done")
-        report["components"] = {"points": points}
+                point = components_point(args, n, pair, clock, device)
+                report["components"]["points"].append(point)
+            finished(f"components N={n}")
     if "handoff" in args.parts:
-        points = []
+        report["handoff"] = {"points": []}
         for n in tokens:
-            points.append(handoff_point(args, n, whole, stages, clock, device))
-            progress(f"handoff N={n}: done")
-        report["handoff"] = {"points": points}
+            point = handoff_point(args, n, whole, stages, clock, device)
+            report["handoff"]["points"].append(point)
+            finished(f"handoff N={n}")
 
     if rank == 0:
-        timing = "cuda-graph replay" if args.cuda_graph else "cuda events"
-        report["setup"] = {
+        report["complete"] = True
+        save(with_peak(report, args), path)
+        print(markdown(report), flush=True)
+    dist.barrier(group=whole.host_pg)
+    dist.destroy_process_group()
+    return 0
+
+
+def describe_run(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    cuda: bool,
+    device: torch.device,
+    world: int,
+    pp: int,
+    tokens: list[int],
+    aux: list[int],
+) -> dict:
+    """What the report records of the run besides its measurements."""
+    timing = "cuda-graph replay" if args.cuda_graph else "cuda events"
+    return {
+        "setup": {
             "world": world,
             "tp": args.tp,
             "pp": pp,
@@ -965,43 +1125,36 @@ def main(argv: list[str] | None = None) -> int:
             "tokens": tokens,
             "aux": aux,
             "producer": args.producer,
-        }
-        report["device"] = describe_device(cuda, device)
-        report["versions"] = {
+        },
+        "device": describe_device(cuda, device),
+        "versions": {
             "torch": torch.__version__,
             "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
             "python": platform.python_version(),
-        }
-        report["link_peak_GBps"], report["link_peak_source"] = link_peak(
-            report.get("peak")
-        )
-        if args.link_peak_from and not report.get("peak"):
-            earlier = json.loads(args.link_peak_from.read_text())
-            peak, source = link_peak(earlier.get("peak"))
-            report["link_peak_GBps"] = peak
-            report["link_peak_source"] = f"{source} in {args.link_peak_from.name}"
-        report["command"] = launch_command(sys.argv[1:] if argv is None else argv)
-        report["argv"] = sys.argv if argv is None else argv
-        report["env"] = {
+        },
+        "command": launch_command(sys.argv[1:] if argv is None else argv),
+        "argv": sys.argv if argv is None else argv,
+        "env": {
             k: v
             for k, v in sorted(os.environ.items())
             if k.startswith(("NCCL_", "TORCH_NCCL", "NVSHMEM_", "TORCH_SYMM"))
-        }
-        report["source_commit"] = args.source_commit or None
-        report["date"] = datetime.datetime.now(datetime.UTC).isoformat(
-            timespec="seconds"
-        )
-        stem = args.name or f"{'_'.join(args.parts)}-TP{args.tp}xPP{pp}-{args.dtype}"
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = args.out / f"{stem}.json"
-        path.write_text(json.dumps(report, indent=1) + "\n")
-        table = markdown(report)
-        path.with_suffix(".md").write_text(table)
-        print(table, flush=True)
-    dist.barrier(group=whole.host_pg)
-    dist.destroy_process_group()
-    return 0
+        },
+        "source_commit": args.source_commit or None,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def with_peak(report: dict, args: argparse.Namespace) -> dict:
+    """``report`` with the link peak its tables read: its own peak part's, or
+    that of ``--link-peak-from``."""
+    peak, source = link_peak(report.get("peak"))
+    if args.link_peak_from and not report.get("peak"):
+        earlier = json.loads(args.link_peak_from.read_text())
+        peak, source = link_peak(earlier.get("peak"))
+        source = f"{source} in {args.link_peak_from.name}"
+    report["link_peak_GBps"], report["link_peak_source"] = peak, source
+    return report
 
 
 if __name__ == "__main__":

@@ -14,8 +14,12 @@ NETWORK_ERRORS = (urllib.error.URLError, OSError, ValueError)
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """The options every run against a serving arm takes."""
-    parser.add_argument("--arm", required=True)
-    parser.add_argument("--base-url", required=True)
+    parser.add_argument(
+        "--arm", required=True, help="the arm the server runs (eval/arms.toml)"
+    )
+    parser.add_argument(
+        "--base-url", required=True, help="the server, e.g. http://10.0.0.1:8691"
+    )
     parser.add_argument("--model", required=True, help="the served model name")
     parser.add_argument("--target", help="vLLM whose patch state to record")
 

@@ -1,29 +1,42 @@
 # SPDX-License-Identifier: Apache-2.0
 """Print, check and start one serving arm's `vllm serve` command on one node.
 
-    python3 -m eval.serve --arm mega-sp --node-rank 0 --model /models/Kimi-K3 \\
-        --master-addr 10.0.0.1 --host-ip 10.0.0.1 --deepgemm /opt/DeepGEMM
+    .venv/bin/python -m eval.serve --arm mega-sp --node-rank 0 \\
+        --model /models/Kimi-K3 --master-addr 10.0.0.1 --host-ip 10.0.0.1 \\
+        --deepgemm /opt/DeepGEMM
 
-(from this checkout's root, with any Python 3.11 or newer; ``make serve``
-runs it) prints the command (environment included) as the arms file defines it for
-that node, after checking that the vLLM of ``--python`` defines every
-``VLLM_*`` variable the arm sets (vLLM itself only warns about the others, and
-runs as if they were unset); ``--run`` first checks what the node needs (vLLM
-importable by ``--python``, the patch set applied where the arm needs it,
-DeepGEMM importable where the MegaMoE backend is asked for, DeepEP where the
-``deepep_v2`` all-to-all is), says what is missing, and otherwise replaces this
-process with the server.
+(from this checkout's root, with Python 3.11 or newer, as vLLM 0.33.0 needs:
+``make serve`` runs it with the serving interpreter, ``SERVE_PYTHON``) prints
+the command (environment included) as the arms file defines it for that node,
+after checking that the vLLM of ``--python`` defines every ``VLLM_*`` variable
+the arm sets (vLLM itself only warns about the others, and runs as if they
+were unset). Printing starts nothing. ``--run`` first checks what the node
+needs (vLLM importable by ``--python``; the GPUs vLLM sees, as many as one
+node's share of TP x PP; the model directory and its config; the addresses;
+the patch set applied where the arm needs it; DeepGEMM importable where the
+MegaMoE backend is asked for, DeepEP where the ``deepep_v2`` all-to-all is),
+says what is missing, and otherwise replaces this process with the server.
 """
 
 from __future__ import annotations
+
+import sys
+
+if sys.version_info < (3, 11):  # noqa: UP036 -- before tomllib, named below
+    sys.exit(
+        "eval.serve needs Python 3.11 or newer, as vLLM 0.33.0 does; "
+        f"{sys.executable} is {sys.version.split()[0]}. Run it with the python "
+        "of the environment that serves vLLM 0.33.0: `make serve "
+        "SERVE_PYTHON=/path/to/bin/python` (default: this checkout's .venv)."
+    )
 
 import argparse
 import difflib
 import os
 import re
 import shlex
+import socket
 import subprocess
-import sys
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +92,16 @@ else:
         sys.exit(reason)
 """
 
+# Run by the serving interpreter with the arm's environment: the device vLLM
+# infers and how many of them it sees, by vLLM's own probe (its platform
+# plugins: NVML for CUDA; CUDA_VISIBLE_DEVICES counts). A platform of no
+# device is what later fails as "Failed to infer device type".
+DEVICE_PROBE = """
+from vllm.platforms import current_platform
+kind = current_platform.device_type
+print("devices", kind or "none", current_platform.device_count() if kind else 0)
+"""
+
 # Placeholder -> (make variable, CLI option): what a user sets to fill it.
 PLACEHOLDERS = {
     "model": ("MODEL", "--model"),
@@ -86,6 +109,14 @@ PLACEHOLDERS = {
     "node_rank": ("NODE_RANK", "--node-rank"),
     "master_addr": ("MASTER_ADDR", "--master-addr"),
     "deepgemm": ("DEEPGEMM", "--deepgemm"),
+}
+
+OPTION_HELP = {
+    "model": "local directory of the model's checkpoint (config.json, weights)",
+    "host_ip": "this node's IP on the network the nodes share (VLLM_HOST_IP)",
+    "node_rank": "0 on the head node, 1 on the second (it runs --headless)",
+    "master_addr": "node rank 0's address, the same on every node",
+    "deepgemm": "a DeepGEMM build put on PYTHONPATH; needed by MegaMoE arms only",
 }
 
 
@@ -159,11 +190,26 @@ def fill(text: str, values: dict[str, str]) -> str:
     )
 
 
+def asks_mega_moe(args: list[list[str]]) -> bool:
+    """Whether the flags ask for the MegaMoE backend, the one DeepGEMM serves."""
+    return any(
+        words[0] == "--kernel-config" and MEGA_MOE_BACKEND in " ".join(words[1:])
+        for words in args
+    )
+
+
 def build(arm_name: str, values: dict[str, str]) -> ServeCommand:
-    """The arm's command for one node; ``values`` fills the placeholders."""
+    """The arm's command for one node; ``values`` fills the placeholders.
+
+    DeepGEMM is asked for only by an arm that uses the MegaMoE backend; without
+    a ``deepgemm`` value the other arms leave out what it would fill
+    (``PYTHONPATH``)."""
     serve, _ = load_arms()
     arm = get_arm(arm_name)
-    if missing := [k for k in PLACEHOLDERS if not str(values.get(k, "")).strip()]:
+    args = [words for words in serve["args"] if words[0] not in arm.drop]
+    optional = set() if asks_mega_moe(args) else {"deepgemm"}
+    given = {k for k in PLACEHOLDERS if str(values.get(k, "")).strip()}
+    if missing := [k for k in PLACEHOLDERS if k not in given | optional]:
         raise ServeError(
             "missing "
             + ", ".join(
@@ -172,11 +218,15 @@ def build(arm_name: str, values: dict[str, str]) -> ServeCommand:
         )
     if not str(values["node_rank"]).isdigit():
         raise ServeError(f"NODE_RANK must be 0 or more, not {values['node_rank']!r}")
-    env = tuple((name, fill(value, values)) for name, value in serve["env"])
+    values = {k: str(values.get(k, "")) for k in PLACEHOLDERS}
+    env = tuple(
+        (name, fill(value, values))
+        for name, value in serve["env"]
+        if fill(value, values)
+    )
     argv = ["vllm", "serve", values["model"]]
-    for words in serve["args"]:
-        if words[0] not in arm.drop:
-            argv += [fill(w, values) for w in words]
+    for words in args:
+        argv += [fill(w, values) for w in words]
     if int(values["node_rank"]) > 0:
         argv.append("--headless")
     return ServeCommand(env, tuple(argv))
@@ -248,6 +298,110 @@ def undefined_env(
     return problems
 
 
+def gpus_per_node(command: ServeCommand) -> int:
+    """One node's share of the TP x PP ranks the command starts."""
+    sizes = [
+        int(flag_value(command, flag) or 1)
+        for flag in ("--tensor-parallel-size", "--pipeline-parallel-size")
+    ]
+    return sizes[0] * sizes[1] // int(flag_value(command, "--nnodes") or 1)
+
+
+def device_problems(command: ServeCommand, python: str) -> list[str]:
+    """Why vLLM under ``python`` cannot start this node's ranks on its GPUs."""
+    probe = subprocess.run(
+        [python, "-c", DEVICE_PROBE],
+        env=served_env(command),
+        capture_output=True,
+        text=True,
+    )
+    answer = [ln for ln in probe.stdout.splitlines() if ln.startswith("devices ")]
+    if probe.returncode != 0 or not answer:
+        why = last_line(probe, "no answer")
+        return [f"vLLM under {python} could not probe the GPUs: {why}"]
+    _, kind, count = answer[-1].split()
+    need = gpus_per_node(command)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    shown = "" if visible is None else f" with CUDA_VISIBLE_DEVICES={visible}"
+    if kind != "cuda":
+        return [
+            f"vLLM under {python} finds no GPU{shown} (device type: {kind}); it "
+            "would stop with 'Failed to infer device type'. The command needs "
+            f"{need} NVIDIA GPUs on this node: check `nvidia-smi` (driver "
+            "loaded, GPUs listed) and CUDA_VISIBLE_DEVICES"
+        ]
+    if int(count) < need:
+        return [
+            f"vLLM under {python} sees {count} GPU(s){shown}; the command runs "
+            f"TP{flag_value(command, '--tensor-parallel-size')} x "
+            f"PP{flag_value(command, '--pipeline-parallel-size')} over "
+            f"{flag_value(command, '--nnodes') or 1} node(s), {need} GPUs on "
+            "each: free or expose them (`nvidia-smi`, CUDA_VISIBLE_DEVICES)"
+        ]
+    return []
+
+
+def model_problems(model: str) -> list[str]:
+    """Why ``model`` is not a local model directory vLLM can load."""
+    path = Path(model)
+    fix = (
+        "set MODEL= (--model) to the local directory of Kimi K3's Hugging "
+        "Face checkpoint (config.json and *.safetensors), on every node"
+    )
+    if not path.is_dir():
+        return [f"MODEL={model} is not a directory on this node: {fix}"]
+    if not (path / "config.json").is_file():
+        return [f"MODEL={model} holds no config.json: {fix}"]
+    if not any(path.glob("*.safetensors")):
+        return [
+            f"MODEL={model} holds no *.safetensors weights (the arms load with "
+            f"--load-format fastsafetensors): {fix}"
+        ]
+    return []
+
+
+def address_problems(command: ServeCommand, node_rank: int) -> list[str]:
+    """Why the addresses would leave the nodes unable to meet: the master
+    address must resolve, and this node must own its ``VLLM_HOST_IP`` (and,
+    on node rank 0, the master address it listens on)."""
+    problems = []
+    master = flag_value(command, "--master-addr") or ""
+    try:
+        socket.getaddrinfo(master, None)
+    except OSError as error:
+        problems.append(
+            f"MASTER_ADDR={master} does not resolve on this node ({error}): set "
+            "it to node rank 0's address on the network the nodes share"
+        )
+    owned = [("HOST_IP", dict(command.env).get("VLLM_HOST_IP", ""))]
+    if node_rank == 0 and not problems:
+        owned.append(("MASTER_ADDR", master))
+    for make_var, address in owned:
+        if address and (why := not_local(address)):
+            problems.append(
+                f"{make_var}={address} is not an address of this node ({why}): "
+                + (
+                    "set HOST_IP= to this node's own IP on the network the nodes share"
+                    if make_var == "HOST_IP"
+                    else "node rank 0 listens on MASTER_ADDR: start it on the "
+                    "node that owns that address"
+                )
+            )
+    return problems
+
+
+def not_local(address: str) -> str | None:
+    """Why this node cannot listen on ``address``, or None when it can."""
+    try:
+        infos = socket.getaddrinfo(address, 0, type=socket.SOCK_STREAM)
+        family, kind, proto, _, where = infos[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.bind(where)
+    except OSError as error:
+        return error.strerror or str(error)
+    return None
+
+
 def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
     """What this node lacks to run ``command``; empty when it is ready."""
     problems = []
@@ -260,6 +414,10 @@ def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
     if probe.returncode != 0:
         return [no_vllm(python, last_line(probe, "not found"))]
     vllm_dir = probe.stdout.strip().splitlines()[-1]
+    problems += device_problems(command, python)
+    problems += model_problems(command.argv[2])
+    node_rank = int(flag_value(command, "--node-rank") or 0)
+    problems += address_problems(command, node_rank)
     if arm.needs_patch_set:
         status = apply.status(vllm_dir)
         if status["exit_code"] != apply.EXIT_OK:
@@ -302,15 +460,22 @@ def run(command: ServeCommand, python: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arm", required=True)
+    parser.add_argument(
+        "--arm", required=True, help="the serving arm: mega-sp, fi-ep or fi-noep"
+    )
     for key, (_, option) in PLACEHOLDERS.items():
-        parser.add_argument(option, dest=key, default="")
+        parser.add_argument(option, dest=key, default="", help=OPTION_HELP[key])
     parser.add_argument(
         "--python",
         default=str(PROJECT_DIR / ".venv" / "bin" / "python"),
-        help="interpreter of the environment that serves (default: .venv)",
+        help="python of the environment that serves vLLM 0.33.0 (default: .venv's)",
     )
-    parser.add_argument("--run", action="store_true", help="check, then start it")
+    parser.add_argument(
+        "--run",
+        action="store_true",
+        help="check this node, then start the server in this process's place "
+        "(without it, the command is only printed)",
+    )
     args = parser.parse_args(argv)
     try:
         arm = get_arm(args.arm)
@@ -324,8 +489,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"serve: {problem}", file=sys.stderr)
         return 1
     print(f"# {arm.label}: {arm.description}, node rank {args.node_rank}")
-    print(command.shell())
+    print(command.shell(), flush=True)
     if not args.run:
+        print(
+            "serve: printed only, nothing was started; RUN=1 (--run) checks "
+            "this node and then starts it",
+            file=sys.stderr,
+        )
         return 0
     if problems := preflight(arm, command, args.python):
         for problem in problems:

@@ -4,8 +4,9 @@
 It answers ``GET /v1/models``, ``GET /version``, ``GET /metrics`` (vLLM's
 ``cache_config_info``), ``POST /v1/completions`` with whatever
 ``complete(prompt)`` returns, and streaming ``POST /v1/chat/completions``
-with one token, so the tools run end to end against a real socket without a
-GPU or the network.
+with ``max_completion_tokens`` tokens (one if unset), one every ``itl_s``
+seconds, so the tools run end to end against a real socket without a GPU or
+the network.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -26,6 +28,7 @@ def serving(
     model: str,
     complete: Callable[[str], str] = lambda prompt: "",
     prefix_caching: bool | None = False,
+    itl_s: float = 0.0,
 ) -> Iterator[str]:
     """Serve until the block ends; yields the base URL. ``prefix_caching``
     None leaves the metric out, as a server that does not report it."""
@@ -64,27 +67,27 @@ def serving(
             else:
                 self.reply(404, {"error": self.path})
 
-        def stream_one_token(self) -> None:
-            """Server-sent events: one content chunk, usage, [DONE]."""
+        def stream_tokens(self, tokens: int) -> None:
+            """Server-sent events: a content chunk per token, usage, [DONE]."""
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
             self.send_header("Connection", "close")
             self.end_headers()
-            chunks = [
-                {"choices": [{"index": 0, "delta": {"content": "x"}}]},
-                {"choices": [], "usage": {"completion_tokens": 1}},
-            ]
-            for chunk in chunks:
-                self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+            token = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
+            for i in range(tokens):
+                if i:
+                    time.sleep(itl_s)
+                self.wfile.write(f"data: {json.dumps(token)}\n\n".encode())
                 self.wfile.flush()
-            self.wfile.write(b"data: [DONE]\n\n")
+            usage = {"choices": [], "usage": {"completion_tokens": tokens}}
+            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
             self.close_connection = True
 
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             requests.append(body)
             if self.path == "/v1/chat/completions" and body.get("model") == model:
-                self.stream_one_token()
+                self.stream_tokens(body.get("max_completion_tokens") or 1)
                 return
             if self.path != "/v1/completions" or body.get("model") != model:
                 self.reply(404, {"error": f"{self.path} {body.get('model')}"})
@@ -108,7 +111,12 @@ def serving(
                 },
             )
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        # A decode point opens up to 128 connections at once; the default
+        # backlog of 5 resets some of them.
+        request_queue_size = 256
+
+    server = Server(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

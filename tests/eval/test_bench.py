@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -353,3 +354,304 @@ def test_real_vllm_bench_serve_result_feeds_the_report(tmp_path, capsys):
     assert rows[1][:2] == ["128", "1"]
     assert rows[1][3] == f"{saved['total_token_throughput']:,.0f}"
     assert rows[1][2] == rows[1][4] == "missing"
+
+
+# -- the decode and mixed sweeps -----------------------------------------
+
+DECODE_AND_MIXED = bench.SWEEPS["decode"].points + bench.SWEEPS["mixed"].points
+
+
+def flags(command: list[str]) -> dict[str, str | None]:
+    """Each ``--flag`` of a command with its value (None for a switch)."""
+    out: dict[str, str | None] = {}
+    for i, word in enumerate(command):
+        if word.startswith("--"):
+            nxt = command[i + 1] if i + 1 < len(command) else "--"
+            out[word] = None if nxt.startswith("--") else nxt
+    return out
+
+
+@pytest.mark.parametrize("point", DECODE_AND_MIXED, ids=lambda p: p.filename)
+def test_decode_and_mixed_commands_are_the_prefill_flags_with_their_output(
+    point, tmp_path
+):
+    """The client, flags and warm-up rule of the seed's points; only the
+    output length, the percentiles asked for and the file differ."""
+    args = ("http://127.0.0.1:8691", "Kimi-K3", "/models/Kimi-K3", tmp_path)
+    got = flags(bench.bench_command(point, *args))
+    prefill = bench.Point(point.input_len, point.concurrency)
+    seed = flags(bench.bench_command(prefill, *args))
+    assert got.keys() == seed.keys()
+    assert {key for key in seed if got[key] != seed[key]} == {
+        "--random-output-len",
+        "--percentile-metrics",
+        "--result-filename",
+    }
+    assert got["--random-output-len"] == str(point.output_len)
+    assert got["--percentile-metrics"] == "ttft,tpot,itl,e2el"
+    assert got["--result-filename"] == point.filename
+    assert "--ignore-eos" in got
+
+
+def test_sweeps_are_the_issues_points_each_in_its_own_file():
+    decode, mixed = bench.SWEEPS["decode"], bench.SWEEPS["mixed"]
+    assert [(p.input_len, p.output_len, p.concurrency) for p in decode.points] == [
+        (1024, 512, c) for c in (1, 8, 32, 64, 128)
+    ]
+    assert [(p.input_len, p.output_len, p.concurrency) for p in mixed.points] == [
+        (8192, 256, c) for c in (1, 4, 8)
+    ]
+    assert bench.SWEEPS["prefill"].points == bench.POINTS
+    every = [p for sweep in bench.SWEEPS.values() for p in sweep.points]
+    assert len({p.filename for p in every}) == len(every)
+
+
+def test_points_choose_within_the_chosen_sweep():
+    decode = bench.SWEEPS["decode"]
+    assert bench.parse_points("1024x8,1024x1", decode) == [
+        bench.Point(1024, 8, 512),
+        bench.Point(1024, 1, 512),
+    ]
+    with pytest.raises(bench.BenchError, match=r"128x1 is not in the sweep \(decode"):
+        bench.parse_points("128x1", decode)
+
+
+def run_args(*extra: str) -> list[str]:
+    return [
+        "run", "--arm", "fi-ep", "--base-url", "http://127.0.0.1:9",
+        "--model", "Kimi-K3", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--tokenizer", ""], "TOKENIZER= is empty"),
+        (
+            ["--tokenizer", "/models/Kimi-K3", "--sweep", "all", "--points", "128x1"],
+            "POINTS picks points of one sweep",
+        ),
+    ],
+    ids=["no tokenizer", "points with all sweeps"],
+)
+def test_refused_before_the_server_is_contacted(monkeypatch, capsys, extra, message):
+    def contacted(*args):
+        raise AssertionError("the server was contacted")
+
+    monkeypatch.setattr(bench, "check_server", contacted)
+    assert bench.main(run_args(*extra)) == 1
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("make_vars", "message"),
+    [
+        ([], "bench: TOKENIZER= is empty"),
+        (["TOKENIZER=/models/Kimi-K3", "SWEEP=all", "POINTS=128x1"], "bench: POINTS"),
+    ],
+    ids=["no tokenizer", "points with all sweeps"],
+)
+def test_make_bench_says_what_is_wrong_before_contacting_the_server(make_vars, message):
+    """Nothing listens on port 9: a contacted server would fail otherwise."""
+    proc = subprocess.run(
+        ["make", "-s", "bench", "ARM=fi-ep", "BASE_URL=http://127.0.0.1:9",
+         "MODEL=Kimi-K3", *make_vars],
+        cwd=bench.PROJECT_DIR, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+    assert "127.0.0.1:9" not in proc.stderr
+
+
+def decode_result(point: bench.Point, per_token_ms: float) -> dict:
+    """A decode point's saved result: RESULT_KEYS plus what TPOT and ITL
+    percentiles add."""
+    result = result_file(point, 3000.0, 50.0)
+    result.update(
+        total_output_tokens=point.num_prompts * point.output_len,
+        output_throughput=1000.0,
+        p99_ttft_ms=80.0,
+        **{
+            f"{stat}_{metric}_ms": per_token_ms
+            for stat in ("mean", "median", "std", "p50", "p90", "p95", "p99")
+            for metric in ("tpot", "itl")
+        },
+    )
+    return result
+
+
+def lacks_the_key(result: dict) -> None:
+    del result["mean_tpot_ms"]
+
+
+def one_token_each(result: dict) -> None:
+    # What vllm bench serve saves when no request got a second token.
+    result.update(total_output_tokens=result["completed"], mean_tpot_ms=0.0)
+
+
+@pytest.mark.parametrize("fault", [lacks_the_key, one_token_each])
+def test_a_metric_the_client_did_not_measure_is_missing_not_zero(
+    tmp_path, capsys, fault
+):
+    point = bench.Point(1024, 8, 512)
+    for arm, per_token in (("fi-ep", 2.0), ("mega-sp", 3.0)):
+        result = decode_result(point, per_token)
+        if arm == "mega-sp":
+            fault(result)
+        (tmp_path / arm).mkdir()
+        (tmp_path / arm / point.filename).write_text(json.dumps(result))
+    assert bench.main(["--results", str(tmp_path), "report"]) == 0
+    report = capsys.readouterr().out.split("### decode sweep")[1]
+    row = markdown_rows(report, "Mean TPOT")[2]
+    assert row == ["1024", "8", "missing", "2.0 ms", "missing", "missing", "missing"]
+    summary = json.loads((tmp_path / "report.json").read_text())
+    measured = next(p for p in summary["points"] if p["concurrency"] == 8)
+    assert measured["mega-sp"]["mean_tpot_ms"] is None
+    assert measured["fi-ep"]["mean_tpot_ms"] == 2.0
+
+
+def with_latencies(result: dict, point: bench.Point, waves: list[float]) -> dict:
+    """``result`` whose requests took ``waves[w]`` seconds in wave ``w``."""
+    c = point.concurrency
+    result["latencies"] = [waves[i // c] for i in range(point.num_prompts)]
+    return result
+
+
+def test_wave_spread_is_the_range_of_the_wave_mean_latencies_over_their_mean():
+    point = bench.Point(1024, 2, 512)
+    result = decode_result(point, 2.0)
+    result["latencies"] = [1.0, 3.0, 2.5, 3.5, 2.0, 4.0]  # wave means 2, 3, 3
+    assert bench.wave_spread(result, point) == pytest.approx(100 * (3 - 2) / (8 / 3))
+    result["latencies"] = result["latencies"][:-1]  # not every request
+    assert bench.wave_spread(result, point) is None
+
+
+@pytest.mark.parametrize(
+    ("mega_waves", "fi_waves", "beyond"),
+    [
+        ([1.00, 1.03, 1.00], [1.00, 1.00, 1.04], True),  # 10% lead, spreads 3 + 4
+        ([1.00, 1.06, 1.00], [1.00, 1.00, 1.05], False),  # spreads 6 + 5
+    ],
+)
+def test_verdict_is_beyond_the_spread_only_when_the_lead_exceeds_both_spreads(
+    mega_waves, fi_waves, beyond
+):
+    sweep = bench.SWEEPS["decode"]
+    point = bench.Point(1024, 8, 512)
+    found = {"fi-ep": {}, "mega-sp": {}, "fi-noep": {}}
+    for arm, tput, waves in (
+        ("mega-sp", 1100.0, mega_waves),
+        ("fi-ep", 1000.0, fi_waves),
+        ("fi-noep", 900.0, [1.0, 1.0, 1.0]),
+    ):
+        result = with_latencies(decode_result(point, 2.0), point, waves)
+        result["output_throughput"] = tput
+        found[arm][point] = result
+    verdict = bench.verdict(sweep, point, found)
+    assert (verdict["ahead"], verdict["next"]) == ("mega-sp", "fi-ep")
+    assert verdict["lead_percent"] == pytest.approx(10.0)
+    assert verdict["beyond_spread"] is beyond
+
+
+# -- the decode sweep end to end: one real run, several checks -----------
+
+
+@pytest.fixture(scope="module")
+def decode_sweep(tmp_path_factory):
+    """A real decode sweep of two points against the local server (1 ms per
+    token), interrupted with Ctrl-C as its second point starts, then run
+    again: (results, the first run's exit code and output, the files it
+    left, the second run)."""
+    tmp = tmp_path_factory.mktemp("decode")
+    tokenizer = tiny_tokenizer(tmp / "tokenizer")
+    results = tmp / "results"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
+    with serving("Kimi-K3", itl_s=0.001) as url:
+        command = [
+            sys.executable, "-m", "eval.bench", "--results", str(results), "run",
+            "--arm", "fi-ep", "--base-url", url, "--model", "Kimi-K3",
+            "--tokenizer", str(tokenizer), "--sweep", "decode",
+            "--points", "1024x1,1024x8",
+        ]  # fmt: skip
+        first = subprocess.Popen(
+            command,
+            cwd=bench.PROJECT_DIR,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its own group, as a terminal's Ctrl-C
+            # A shell's background job ignores SIGINT, and so would the sweep.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        output = []
+        for line in first.stdout:
+            output.append(line)
+            if line.startswith("[2/2]") and "running" in line:
+                os.killpg(first.pid, signal.SIGINT)
+                break
+        output.append(first.communicate(timeout=120)[0])
+        kept = sorted(path.name for path in (results / "fi-ep").iterdir())
+        second = subprocess.run(
+            command, cwd=bench.PROJECT_DIR, env=env, capture_output=True,
+            text=True, timeout=240,
+        )  # fmt: skip
+    return results, first.returncode, "".join(output), kept, second
+
+
+def test_interrupted_decode_sweep_resumes_where_it_stopped(decode_sweep):
+    results, code, output, kept, second = decode_sweep
+    assert code == 130, output[-3000:]
+    assert output.startswith(
+        "decode sweep: 2 points, 27 measured and 12 warm-up requests, 11 waves "
+        "one after another (5,621 decode steps in sequence)"
+    )
+    assert "[2/2] fi-ep input 1024, output 512, concurrency 8: interrupted" in output
+    assert kept == ["in1024-out512-c1.json", "manifest.json"]
+    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
+    assert (
+        "[1/2] fi-ep input 1024, output 512, concurrency 1: done before, skipped"
+        in (second.stdout)
+    )
+    assert "[2/2] fi-ep input 1024, output 512, concurrency 8: running" in second.stdout
+    manifest = json.loads((results / "fi-ep" / "manifest.json").read_text())
+    assert [(r["sweep"], r["points"]) for r in manifest["runs"]] == [
+        ("decode", ["1024x1", "1024x8"])
+    ] * 2
+
+
+def test_decode_results_hold_the_clients_tpot_and_itl(decode_sweep):
+    results = decode_sweep[0]
+    for point in bench.parse_points("1024x1,1024x8", bench.SWEEPS["decode"]):
+        saved = json.loads((results / "fi-ep" / point.filename).read_text())
+        assert (saved["completed"], saved["failed"]) == (point.num_prompts, 0)
+        assert saved["total_output_tokens"] == point.num_prompts * 512
+        # Every metric the report reads is a key the client writes.
+        assert set(bench.DECODE_METRICS) <= saved.keys()
+        # The server sends tokens at least 1 ms apart: the client saw it (its
+        # reads may bunch a few chunks under load, so means, not medians).
+        for key in ("mean_tpot_ms", "mean_itl_ms"):
+            assert saved[key] >= 0.9, key
+        assert saved["p99_itl_ms"] >= 1.0
+        assert len(saved["latencies"]) == point.num_prompts
+
+
+def test_report_renders_the_decode_tables_verdict_and_plot(decode_sweep, capsys):
+    results = decode_sweep[0]
+    assert bench.main(["--results", str(results), "report"]) == 0
+    report = capsys.readouterr().out
+    assert "Sweeps not run: prefill, mixed" in report
+    saved = json.loads((results / "fi-ep" / "in1024-out512-c8.json").read_text())
+    for metric in ("output_throughput", "mean_tpot_ms", "p99_itl_ms"):
+        rows = markdown_rows(report, bench.METRICS[metric][0])
+        assert rows[2][:2] == ["1024", "8"]
+        assert rows[2][3] == bench.fmt(metric, saved[metric]), metric
+        assert rows[2][2] == rows[2][4] == "missing"
+        assert [row[1] for row in rows[1:]] == ["1", "8", "32", "64", "128"]
+    verdicts = markdown_rows(report, "Verdict on output token throughput")
+    spread = bench.wave_spread(saved, bench.Point(1024, 8, 512))
+    assert verdicts[2] == [
+        "1024", "8", "FI+EP", "missing", "only FI+EP measured",
+        "missing", f"{spread:.1f}%", "missing",
+    ]  # fmt: skip
+    assert (results / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,15 +1,21 @@
 # SPDX-License-Identifier: Apache-2.0
 """`make comm-report` says which end gather the last stage took, from what
-its ledger recorded."""
+its ledger recorded, ends its output with that line, keeps the ranks'
+start-up output in a log it names, and leaves no shared memory behind."""
 
 from __future__ import annotations
+
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
+from eval import comm_report
 from eval.comm_report import end_gather_path
 from tests.sppp_testbed.accounting import CommLedger
-from tests.sppp_testbed.stages import StageResult
+from tests.sppp_testbed.launcher import RankPool
+from tests.sppp_testbed.stages import StageResult, run_step
 
 LIMIT = 41_943_040
 
@@ -52,3 +58,44 @@ def test_the_report_names_the_end_gather_the_step_took(widths, num_aux, said):
 def test_without_sp_there_is_no_end_gather():
     said = end_gather_path(last_stage([], 3, sp=False))
     assert said == "End of the model: no SP, nothing to gather."
+
+
+def test_processes_started_meanwhile_print_to_the_log(tmp_path, capfd):
+    log = tmp_path / "ranks.log"
+    with comm_report.output_to(log):
+        subprocess.run(["sh", "-c", "echo rank noise >&2; echo rank line"])
+    subprocess.run(["sh", "-c", "echo restored"])
+    assert log.read_text() == "rank noise\nrank line\n"
+    assert capfd.readouterr() == ("restored\n", "")
+
+
+def tp_broadcaster_shm() -> str | None:
+    """Run in every rank: the shared memory its TP group's broadcaster made."""
+    from vllm.distributed import get_tp_group
+
+    buffer = getattr(get_tp_group().mq_broadcaster, "buffer", None)
+    return buffer.shared_memory.name if buffer and buffer.is_creator else None
+
+
+def test_the_report_ends_with_the_end_gather_and_frees_shared_memory(
+    tmp_path, monkeypatch, capfd
+):
+    made: list[str] = []
+    run = RankPool.run
+
+    def noting_shared_memory(pool, func, *args, **kwargs):
+        results = run(pool, func, *args, **kwargs)
+        if func is run_step:  # what the step's groups hold, before any release
+            made.extend(name for name in run(pool, tp_broadcaster_shm) if name)
+        return results
+
+    monkeypatch.setattr(RankPool, "run", noting_shared_memory)
+    log = tmp_path / "comm-report.log"
+    assert comm_report.main(["--tp", "2", "--pp", "2", "--log", str(log)]) == 0
+    out, err = capfd.readouterr()
+    assert out.splitlines()[-1].startswith("End gather: packed, one all-gather")
+    assert err == (
+        f"comm-report: TP2×PP2 ranks on the CPU; their start-up output goes to {log}\n"
+    )
+    assert len(made) == 2  # one per stage's TP group
+    assert [name for name in made if Path("/dev/shm", name).exists()] == []

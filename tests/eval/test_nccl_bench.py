@@ -10,6 +10,8 @@ import datetime
 import json
 import os
 import platform
+import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -217,6 +219,7 @@ def launch(tmp_path_factory):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run(command, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
@@ -344,3 +347,103 @@ def test_the_table_states_the_derived_ratio_and_the_crossover(launch):
     assert "Hand-off at TP2×PP2 (measured)" in table
     crossings = [line for line in table.splitlines() if line.startswith("- k=")]
     assert [line[:5] for line in crossings] == ["- k=1", "- k=3"]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "cuda", "grid", "said"),
+    [
+        (None, True, nccl_bench.DEFAULT_TOKENS, ""),
+        (None, False, "8,64,256,1024", "; the small CPU grid N=8,64,256,1024 (the"),
+        ("1,17", False, "1,17", "no CUDA device: gloo on the CPU, timed by the "),
+        ("1,17", True, "1,17", ""),
+    ],
+    ids=["gpu", "cpu-default", "cpu-given", "gpu-given"],
+)
+def test_the_cpu_runs_a_small_grid_and_says_so(tokens, cuda, grid, said):
+    got, note = nccl_bench.token_grid(tokens, cuda)
+    assert got == [int(n) for n in grid.split(",")]
+    assert said in note and bool(note) == (not cuda)
+    assert ("small CPU grid" in note) == (tokens is None and not cuda)
+
+
+def test_progress_estimates_the_time_left_from_the_points_so_far(monkeypatch, capsys):
+    clock = iter([100.0, 105.0, 130.0, 150.0])
+    monkeypatch.setattr(nccl_bench.time, "monotonic", lambda: next(clock))
+    progress = nccl_bench.Progress(total=3, rank=0)
+    for name in ("a", "b", "c"):
+        progress.point(name)
+    assert capsys.readouterr().out.splitlines() == [
+        "[   5.0s] a: done (1/3 points; about 10 s left at this pace)",
+        "[  30.0s] b: done (2/3 points; about 15 s left at this pace)",
+        "[  50.0s] c: done (3/3 points)",
+    ]
+
+
+def test_every_point_is_reported_as_it_finishes(launch):
+    lines = (launch / "stdout.txt").read_text().splitlines()
+    done = [line for line in lines if re.match(r"\[ *[0-9.]+s\] ", line)]
+    # peak, gather N×k, components N, handoff N at N = 1, 17 and k = 1, 3
+    names = ["peak"] + [f"gather N={n} k={k}" for n in (1, 17) for k in (1, 3)]
+    names += [f"{part} N={n}" for part in ("components", "handoff") for n in (1, 17)]
+    assert [line.split("] ", 1)[1].split(": done")[0] for line in done] == names
+    assert all(f"({i}/9 points; about " in done[i - 1] for i in range(1, 9))
+    assert done[-1].endswith("(9/9 points)")
+    report = json.loads((launch / "run.json").read_text())
+    assert report["complete"] is True
+    assert "Incomplete" not in (launch / "run.md").read_text()
+
+
+def test_a_stopped_run_keeps_the_points_it_finished(tmp_path):
+    tokens = ",".join(str(n) for n in range(1, 201))
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        "--part",
+        "components",
+        "--hidden",
+        str(HIDDEN),
+        "--tokens",
+        tokens,
+        "--reps",
+        "2",
+        "--target-ms",
+        "1",
+        "--warmup",
+        "1",
+        "--min-iters",
+        "1",
+        "--max-iters",
+        "2",
+        "--name",
+        "stopped",
+        "--out",
+        str(tmp_path),
+    ]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        for line in proc.stdout:
+            if "done (3/200 points" in line:
+                break
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    report = json.loads((tmp_path / "stopped.json").read_text())
+    measured = [p["N"] for p in report["components"]["points"]]
+    assert report["complete"] is False
+    assert 3 <= len(measured) < 200 and measured == list(range(1, len(measured) + 1))
+    assert "**Incomplete**" in (tmp_path / "stopped.md").read_text()

@@ -6,6 +6,7 @@ what a node lacks before it starts anything."""
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import shlex
@@ -154,15 +155,27 @@ def fake_python(
     defines: list[str] | None = None,
     modules: tuple[str, ...] = (),
     deep_ep_reason: str | None = None,
+    devices: tuple[str, int] = ("cuda", 8),
 ) -> str:
     """An interpreter whose only packages are a stand-in vLLM 0.33.0 (its envs.py
-    defining ``defines``, default the arms' names) and empty ``modules``."""
+    defining ``defines``, default the arms' names; its platform seeing
+    ``devices``, as vLLM's ``current_platform`` reports them: type and count)
+    and empty ``modules``."""
     site = tmp_path / "site"
     site.mkdir(parents=True)
     if vllm:
         package = site / "vllm"
         (package / "utils").mkdir(parents=True)
         (package / "__init__.py").write_text("")
+        kind, count = devices
+        (package / "platforms.py").write_text(
+            "class Platform:\n"
+            f"    device_type = {kind!r}\n"
+            "    @staticmethod\n"
+            "    def device_count():\n"
+            f"        return {count}\n"
+            "current_platform = Platform()\n"
+        )
         (package / "_version.py").write_text("__version__ = version = '0.33.0'\n")
         names = arm_env_names() if defines is None else defines
         (package / "envs.py").write_text(
@@ -184,8 +197,24 @@ def fake_python(
     return str(script)
 
 
+def ready_node(tmp_path: Path, node_rank: int = 0) -> dict[str, str]:
+    """Values a node check passes: a model directory with a config and weights,
+    and addresses of this machine."""
+    model = tmp_path / "Kimi-K3"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model-00001-of-00001.safetensors").write_bytes(b"")
+    return {
+        **VALUES,
+        "model": str(model),
+        "host_ip": "127.0.0.1",
+        "master_addr": "127.0.0.1",
+        "node_rank": str(node_rank),
+    }
+
+
 def test_preflight_names_what_the_node_lacks(tmp_path):
-    command = serve.build("mega-sp", {**VALUES, "node_rank": "0"})
+    command = serve.build("mega-sp", ready_node(tmp_path))
     arm = serve.get_arm("mega-sp")
     no_vllm = fake_python(tmp_path / "none", vllm=False)
     (problem,) = serve.preflight(arm, command, no_vllm)
@@ -202,15 +231,15 @@ def test_preflight_names_what_the_node_lacks(tmp_path):
 
     # The FlashInfer arms need neither the patch set nor DeepGEMM; FI+EP keeps
     # the deepep_v2 all-to-all, FI/no-EP drops it.
-    fi = serve.build("fi-ep", {**VALUES, "node_rank": "0"})
+    fi = serve.build("fi-ep", {**ready_node(tmp_path / "fi"), "deepgemm": ""})
     (problem,) = serve.preflight(serve.get_arm("fi-ep"), fi, bare)
     assert "needs DeepEP" in problem
-    noep = serve.build("fi-noep", {**VALUES, "node_rank": "0"})
+    noep = serve.build("fi-noep", ready_node(tmp_path / "noep"))
     assert serve.preflight(serve.get_arm("fi-noep"), noep, bare) == []
 
 
 def test_deepep_is_checked_the_way_the_serving_vllm_checks_it(tmp_path):
-    fi = serve.build("fi-ep", {**VALUES, "node_rank": "0"})
+    fi = serve.build("fi-ep", ready_node(tmp_path))
     arm = serve.get_arm("fi-ep")
     # A vLLM without its own check: importing deep_ep is enough.
     ready = fake_python(tmp_path / "ready", modules=("deep_ep",))
@@ -224,7 +253,21 @@ def test_deepep_is_checked_the_way_the_serving_vllm_checks_it(tmp_path):
     assert problem.endswith(reason)
 
 
-def serve_cli(python: str, *extra: str) -> subprocess.CompletedProcess:
+def serve_cli(
+    python: str, *extra: str, values: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    values = values or {
+        "model": "/m",
+        "host_ip": "h",
+        "master_addr": "m",
+        "deepgemm": "/d",
+        "node_rank": "1",
+    }
+    options = [
+        word
+        for key, (_, option) in serve.PLACEHOLDERS.items()
+        for word in (option, values[key])
+    ]
     return subprocess.run(
         [
             sys.executable,
@@ -232,16 +275,7 @@ def serve_cli(python: str, *extra: str) -> subprocess.CompletedProcess:
             "eval.serve",
             "--arm",
             "mega-sp",
-            "--node-rank",
-            "1",
-            "--model",
-            "/m",
-            "--host-ip",
-            "h",
-            "--master-addr",
-            "m",
-            "--deepgemm",
-            "/d",
+            *options,
             "--python",
             python,
             *extra,
@@ -254,10 +288,21 @@ def serve_cli(python: str, *extra: str) -> subprocess.CompletedProcess:
 
 
 def test_run_refuses_before_starting_anything(tmp_path):
-    result = serve_cli(fake_python(tmp_path), "--run")
+    values = ready_node(tmp_path / "node", node_rank=1)
+    result = serve_cli(fake_python(tmp_path), "--run", values=values)
     assert result.returncode == 1
     assert "--headless" in result.stdout  # the command is shown first
     assert result.stderr.count("serve: ") == 3
+
+
+def test_printing_says_nothing_was_started(tmp_path):
+    result = serve_cli(fake_python(tmp_path))
+    assert result.returncode == 0
+    assert result.stdout.rstrip().endswith("--headless")  # stdout: the command
+    assert result.stderr == (
+        "serve: printed only, nothing was started; RUN=1 (--run) checks this "
+        "node and then starts it\n"
+    )
 
 
 @pytest.mark.parametrize("run", [False, True], ids=["print", "run"])
@@ -293,3 +338,89 @@ def test_printing_needs_the_serving_vllm(tmp_path, run, interpreter, why):
     (line,) = result.stderr.splitlines()
     assert line.startswith(f"serve: vLLM is not importable by {python} ({why}")
     assert "SERVE_PYTHON=" in line
+
+
+@pytest.mark.parametrize(
+    ("devices", "visible", "said"),
+    [
+        (("", 0), None, "finds no GPU (device type: none); it would stop with "),
+        (("cuda", 4), None, "sees 4 GPU(s); the command runs TP8 x PP2 over 2 "),
+        # vLLM counts what CUDA_VISIBLE_DEVICES leaves: the fake reports that.
+        (("cuda", 2), "0,1", "sees 2 GPU(s) with CUDA_VISIBLE_DEVICES=0,1;"),
+    ],
+    ids=["no-gpu", "too-few", "hidden-by-visible-devices"],
+)
+def test_run_names_the_gpus_vllm_cannot_see(
+    tmp_path, monkeypatch, devices, visible, said
+):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    if visible is not None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    python = fake_python(tmp_path, devices=devices)
+    command = serve.build("fi-noep", ready_node(tmp_path))
+    (problem,) = serve.preflight(serve.get_arm("fi-noep"), command, python)
+    assert said in problem
+    assert "nvidia-smi" in problem
+
+
+def test_run_passes_with_one_nodes_share_of_the_gpus(tmp_path, monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    python = fake_python(tmp_path, devices=("cuda", 8))  # TP8 x PP2 / 2 nodes
+    command = serve.build("fi-noep", ready_node(tmp_path))
+    assert serve.preflight(serve.get_arm("fi-noep"), command, python) == []
+
+
+@pytest.mark.parametrize(
+    ("remove", "said"),
+    [
+        ("directory", "is not a directory on this node"),
+        ("config.json", "holds no config.json"),
+        ("model-00001-of-00001.safetensors", "holds no *.safetensors weights"),
+    ],
+)
+def test_run_names_what_the_model_directory_lacks(tmp_path, remove, said):
+    values = ready_node(tmp_path)
+    model = Path(values["model"])
+    if remove == "directory":
+        values["model"] = str(tmp_path / "nowhere")
+    else:
+        (model / remove).unlink()
+    command = serve.build("fi-noep", values)
+    (problem,) = serve.preflight(
+        serve.get_arm("fi-noep"), command, fake_python(tmp_path)
+    )
+    assert problem.startswith(f"MODEL={values['model']} {said}")
+    assert "set MODEL= (--model) to the local directory" in problem
+
+
+@pytest.mark.parametrize(
+    ("node_rank", "change", "said"),
+    [
+        (1, {"master_addr": "node0.invalid"}, "MASTER_ADDR=node0.invalid does not "),
+        (1, {"host_ip": "192.0.2.1"}, "HOST_IP=192.0.2.1 is not an address of "),
+        (0, {"master_addr": "192.0.2.1"}, "MASTER_ADDR=192.0.2.1 is not an addr"),
+    ],
+    ids=["master-unresolved", "host-ip-elsewhere", "head-not-master"],
+)
+def test_run_names_an_address_the_nodes_cannot_meet_at(
+    tmp_path, node_rank, change, said
+):
+    values = {**ready_node(tmp_path, node_rank), **change}
+    command = serve.build("fi-noep", values)
+    (problem,) = serve.preflight(
+        serve.get_arm("fi-noep"), command, fake_python(tmp_path)
+    )
+    assert problem.startswith(said)
+
+
+@pytest.mark.parametrize("arm", ["fi-ep", "fi-noep"])
+def test_the_flashinfer_arms_do_not_ask_for_deepgemm(arm):
+    command = serve.build(arm, {**VALUES, "deepgemm": "", "node_rank": "0"})
+    assert "PYTHONPATH" not in dict(command.env)
+    with pytest.raises(serve.ServeError, match=r"^missing DEEPGEMM= \(--deepgemm\)$"):
+        serve.build("mega-sp", {**VALUES, "deepgemm": "", "node_rank": "0"})
+
+
+def test_serve_parses_as_python_3_9_up_to_its_version_check():
+    source = Path(serve.__file__).read_text()
+    ast.parse(source, feature_version=(3, 9))

@@ -32,7 +32,7 @@ PROBE = "vllm/k3_sppp_probe/__init__.py"
 PATCHED = ("vllm/logger.py", "vllm/version.py")
 
 
-def tool(
+def run_apply(
     patch_set: Path,
     *args: str,
     env: dict[str, str] | None = None,
@@ -126,11 +126,11 @@ def test_the_users_git_configuration_cannot_change_the_installed_bytes(
     patch_set, small_target, tmp_path, channel
 ):
     env = crlf_everywhere(tmp_path / "home", channel)
-    ok(tool(patch_set, "apply", "--target", str(small_target), env=env))
+    ok(run_apply(patch_set, "apply", "--target", str(small_target), env=env))
     for rel, digest in results(patch_set).items():
         assert b"\r\n" not in (small_target / rel).read_bytes(), rel
         assert sha256(small_target / rel) == digest, rel
-    ok(tool(patch_set, "status", "--target", str(small_target), env=env))
+    ok(run_apply(patch_set, "status", "--target", str(small_target), env=env))
 
 
 def test_apply_refuses_a_staged_file_that_is_not_the_reviewed_result(
@@ -140,7 +140,7 @@ def test_apply_refuses_a_staged_file_that_is_not_the_reviewed_result(
     manifest was generated), apply installs nothing it was not reviewed with."""
     (patch_set / "vllm_overlay" / PROBE).write_text('PROBE = "unreviewed"\n')
     before = tree_digest(small_target)
-    proc = tool(patch_set, "apply", "--target", str(small_target))
+    proc = run_apply(patch_set, "apply", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_ERROR, proc.stdout + proc.stderr
     assert f"{PROBE}: SHA-256" in proc.stderr
     assert f"is not the reviewed {results(patch_set)[PROBE][:12]}" in proc.stderr
@@ -153,17 +153,17 @@ def test_lint_names_a_stale_result_manifest_and_the_command_that_fixes_it(
     patch_set, small_target
 ):
     (patch_set / "vllm_overlay" / PROBE).write_text('PROBE = "edited"\n')
-    proc = tool(patch_set, "lint", "--target", str(small_target))
+    proc = run_apply(patch_set, "lint", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_ERROR, proc.stdout + proc.stderr
     assert str(patch_set / "patches/patched.sha256") in proc.stderr
     assert f"{PROBE}: SHA-256" in proc.stderr
     assert f"--patch-set {patch_set} manifest`" in proc.stderr
-    ok(tool(patch_set, "manifest", "--target", str(small_target)))
-    ok(tool(patch_set, "lint", "--target", str(small_target)))
+    ok(run_apply(patch_set, "manifest", "--target", str(small_target)))
+    ok(run_apply(patch_set, "lint", "--target", str(small_target)))
 
 
 def test_manifest_writes_what_apply_installs(patch_set, small_target):
-    ok(tool(patch_set, "apply", "--target", str(small_target)))
+    ok(run_apply(patch_set, "apply", "--target", str(small_target)))
     proc = subprocess.run(
         ["sha256sum", "-c", str(patch_set / "patches/patched.sha256")],
         cwd=small_target,
@@ -179,7 +179,7 @@ def test_status_flags_an_installed_file_that_is_not_the_reviewed_result(
 ):
     """A tree applied with other bytes (as a CRLF git once did) records them
     in its journal; status compares against the manifest as well."""
-    ok(tool(patch_set, "apply", "--target", str(small_target)))
+    ok(run_apply(patch_set, "apply", "--target", str(small_target)))
     logger = small_target / "vllm/logger.py"
     logger.write_bytes(logger.read_bytes().replace(b"\n", b"\r\n"))
     journal_path = small_target / apply.STATE_DIR / "journal.json"
@@ -204,13 +204,13 @@ def test_modes_do_not_depend_on_the_umask(patch_set, small_target, umask):
     before = {
         rel: (small_target / rel).stat().st_mode & 0o7777 for rel in ("vllm", *PATCHED)
     }
-    ok(tool(patch_set, "apply", "--target", str(small_target), umask=umask))
+    ok(run_apply(patch_set, "apply", "--target", str(small_target), umask=umask))
     for rel, mode in before.items():
         assert (small_target / rel).stat().st_mode & 0o7777 == mode, rel
     init = (small_target / "vllm/__init__.py").stat().st_mode & 0o7777
     assert (small_target / PROBE).stat().st_mode & 0o7777 == init == 0o644
     assert (small_target / PROBE).parent.stat().st_mode & 0o7777 == before["vllm"]
-    ok(tool(patch_set, "revert", "--target", str(small_target), umask=umask))
+    ok(run_apply(patch_set, "revert", "--target", str(small_target), umask=umask))
     for rel, mode in before.items():
         assert (small_target / rel).stat().st_mode & 0o7777 == mode, rel
 
@@ -220,7 +220,7 @@ def test_modes_do_not_depend_on_the_umask(patch_set, small_target, umask):
 
 def lose_journal(patch_set: Path, target: Path, how: str) -> list[Path]:
     """Apply, then lose the journal ``how``; return the backups."""
-    ok(tool(patch_set, "apply", "--target", str(target)))
+    ok(run_apply(patch_set, "apply", "--target", str(target)))
     journal = target / apply.STATE_DIR / "journal.json"
     journal.unlink()
     if how == "a directory":
@@ -235,7 +235,7 @@ def test_without_a_journal_status_names_the_backups_and_apply_refuses(
 ):
     backups = lose_journal(patch_set, small_target, "missing")
     applied = tree_digest(small_target)
-    proc = tool(patch_set, "status", "--target", str(small_target))
+    proc = run_apply(patch_set, "status", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_INTERRUPTED, proc.stdout + proc.stderr
     assert "journal lost" in proc.stdout
     for backup in backups:
@@ -246,7 +246,7 @@ def test_without_a_journal_status_names_the_backups_and_apply_refuses(
         "journal-lost",
         [str(b) for b in backups],
     )
-    proc = tool(patch_set, "apply", "--target", str(small_target))
+    proc = run_apply(patch_set, "apply", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_INTERRUPTED, proc.stdout + proc.stderr
     assert "journal.json is missing, but 2 backup(s)" in proc.stderr
     assert "vllm/logger.py" in proc.stderr and "vllm/version.py" in proc.stderr
@@ -258,7 +258,7 @@ def test_revert_without_a_journal_restores_the_originals_from_the_backups(
 ):
     pristine = tree_digest(small_target)
     lose_journal(patch_set, small_target, "missing")
-    proc = ok(tool(patch_set, "revert", "--target", str(small_target)))
+    proc = ok(run_apply(patch_set, "revert", "--target", str(small_target)))
     assert "without its journal: 3 file(s) back to vLLM's originals" in proc.stdout
     assert tree_digest(small_target) == pristine
     assert not (small_target / apply.STATE_DIR).exists()
@@ -271,7 +271,7 @@ def test_revert_without_a_journal_refuses_an_edited_file_and_keeps_the_backups(
     with open(small_target / "vllm/logger.py", "a") as f:
         f.write("# my fix\n")
     before = tree_digest(small_target)
-    proc = tool(patch_set, "revert", "--target", str(small_target))
+    proc = run_apply(patch_set, "revert", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_ERROR, proc.stdout + proc.stderr
     assert f"{small_target / 'vllm/logger.py'}: neither vLLM's original" in (
         proc.stderr
@@ -286,14 +286,14 @@ def test_a_journal_that_is_a_directory_deletes_no_backup(patch_set, small_target
     applied = tree_digest(small_target)
     journal = small_target / apply.STATE_DIR / "journal.json"
     for command in ("status", "apply", "revert"):
-        proc = tool(patch_set, command, "--target", str(small_target))
+        proc = run_apply(patch_set, command, "--target", str(small_target))
         assert proc.returncode == apply.EXIT_ERROR, proc.stdout + proc.stderr
         assert f"{journal}: cannot be read" in proc.stderr
         assert "Traceback" not in proc.stderr
         assert all(backup.is_file() for backup in backups), command
         assert tree_digest(small_target) == applied
     journal.rmdir()  # moved away, as the message says: revert recovers
-    ok(tool(patch_set, "revert", "--target", str(small_target)))
+    ok(run_apply(patch_set, "revert", "--target", str(small_target)))
 
 
 # -- 4. exit codes say what happened ------------------------------------------------
@@ -322,7 +322,7 @@ def test_an_apply_that_recovers_and_then_fails_does_not_say_unchanged(
     kill_at(argv, tmp_path, small_target, second_swap)
     assert sha256(small_target / "vllm/logger.py") != logger, "killed after a swap"
     env = dict(os.environ, PATH=str(tmp_path / "no-git-here"))
-    proc = tool(patch_set, "apply", "--target", str(small_target), env=env)
+    proc = run_apply(patch_set, "apply", "--target", str(small_target), env=env)
     assert proc.returncode == apply.EXIT_RECOVERED_ONLY == 7, proc.stderr
     assert "git is not installed" in proc.stderr
     assert "the interrupted run" in proc.stderr and "was finished" in proc.stderr
@@ -333,11 +333,11 @@ def test_a_finished_revert_whose_report_cannot_be_printed_exits_0(
     patch_set, small_target
 ):
     pristine = tree_digest(small_target)
-    ok(tool(patch_set, "apply", "--target", str(small_target)))
+    ok(run_apply(patch_set, "apply", "--target", str(small_target)))
     with open(small_target / "vllm/logger.py", "a") as f:
         f.write("# my fix\n")
     with open("/dev/full", "w") as full:  # every write: ENOSPC
-        proc = tool(
+        proc = run_apply(
             patch_set, "revert", "--force", "--target", str(small_target), stdout=full
         )
     assert proc.returncode == apply.EXIT_OK, proc.stderr
@@ -352,7 +352,7 @@ def test_an_error_that_cannot_be_printed_keeps_its_exit_code(patch_set, small_ta
     with open(small_target / "vllm/logger.py", "a") as f:
         f.write("# drift\n")
     with open("/dev/full", "w") as full:
-        proc = tool(patch_set, "apply", "--target", str(small_target), stderr=full)
+        proc = run_apply(patch_set, "apply", "--target", str(small_target), stderr=full)
     assert proc.returncode == apply.EXIT_DRIFT
 
 
@@ -378,14 +378,14 @@ def test_ctrl_c_while_printing_an_error_keeps_its_exit_code(
 def test_a_revert_force_stopped_before_it_began_is_status_5_naming_revert_force(
     patch_set, small_target, tmp_path
 ):
-    ok(tool(patch_set, "apply", "--target", str(small_target)))
+    ok(run_apply(patch_set, "apply", "--target", str(small_target)))
     with open(small_target / "vllm/logger.py", "a") as f:
         f.write("# my fix\n")
     argv = ["--patch-set", str(patch_set), "revert", "--force", "--target"]
     # killed right after its stage directory was made: the journal still
     # says "applied" and the edit is in place
     kill_at(argv, tmp_path, small_target, lambda ops: ops.index("pwrite") + 3)
-    proc = tool(patch_set, "status", "--target", str(small_target))
+    proc = run_apply(patch_set, "status", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_INTERRUPTED, proc.stdout
     assert "DRIFT patched vllm/logger.py" in proc.stdout
     assert "only `python3 " in proc.stdout
@@ -398,7 +398,7 @@ def test_a_revert_force_stopped_before_it_began_is_status_5_naming_revert_force(
 def test_a_stopped_run_on_an_edited_tree_names_only_revert_force(
     patch_set, small_target, tmp_path
 ):
-    ok(tool(patch_set, "apply", "--target", str(small_target)))
+    ok(run_apply(patch_set, "apply", "--target", str(small_target)))
     with open(small_target / "vllm/logger.py", "a") as f:
         f.write("# my fix\n")
     argv = ["--patch-set", str(patch_set), "revert", "--force", "--target"]
@@ -413,7 +413,7 @@ def test_a_stopped_run_on_an_edited_tree_names_only_revert_force(
     assert "revert stopped part-way" in outcome.output
     assert "only `" in outcome.output and "revert --force" in outcome.output
     assert "either" not in outcome.output
-    proc = tool(patch_set, "apply", "--target", str(small_target))
+    proc = run_apply(patch_set, "apply", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_DRIFT, "apply refuses, as the message says"
 
 
@@ -475,7 +475,7 @@ def test_old_pythons_are_refused_not_a_syntax_error(version, patch_set, small_ta
 def test_status_on_another_vllm_says_so(patch_set, small_target):
     version = small_target / "vllm/_version.py"
     version.write_text(version.read_text().replace("'0.33.0'", "'0.34.0'"))
-    proc = tool(patch_set, "status", "--target", str(small_target))
+    proc = run_apply(patch_set, "status", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_DRIFT, proc.stdout
     assert "vLLM 0.34.0 is not the pinned 0.33.0" in proc.stdout
     assert "base matches the pin" not in proc.stdout
@@ -483,7 +483,7 @@ def test_status_on_another_vllm_says_so(patch_set, small_target):
 
 def test_status_without_base_manifest_names_it_not_every_file(patch_set, small_target):
     (patch_set / "patches/base.sha256").unlink()
-    proc = tool(patch_set, "status", "--target", str(small_target))
+    proc = run_apply(patch_set, "status", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_ERROR, proc.stdout
     assert "base.sha256: out of date" in proc.stderr
     assert "SHA-256" not in proc.stdout + proc.stderr
@@ -495,7 +495,7 @@ def test_check_and_lint_refuse_an_overlay_file_that_does_not_compile(
     overlay = patch_set / "vllm_overlay" / PROBE
     overlay.write_text("def broken(:\n")
     for command in ("check", "lint"):
-        proc = tool(patch_set, command, "--target", str(small_target))
+        proc = run_apply(patch_set, command, "--target", str(small_target))
         assert proc.returncode == apply.EXIT_ERROR, command + proc.stdout
         assert f"{PROBE}:1: the patched file does not compile" in (
             proc.stdout + proc.stderr
@@ -515,7 +515,7 @@ def test_a_killed_git_is_not_a_patch_that_does_not_apply(
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{fake.parent}:{os.environ['PATH']}")
     before = tree_digest(small_target)
-    proc = tool(patch_set, "apply", "--target", str(small_target), env=env)
+    proc = run_apply(patch_set, "apply", "--target", str(small_target), env=env)
     assert proc.returncode == apply.EXIT_ERROR, proc.stdout + proc.stderr
     assert "was killed by signal 9" in proc.stderr
     assert "does not apply" not in proc.stderr
@@ -525,7 +525,7 @@ def test_a_killed_git_is_not_a_patch_that_does_not_apply(
 def test_a_patch_that_does_not_apply_is_named_by_its_full_path(patch_set, small_target):
     first = sorted((patch_set / "patches").glob("0001-*.patch"))[0]
     first.write_text(first.read_text().replace(" import datetime\n", " import x\n"))
-    proc = tool(patch_set, "apply", "--target", str(small_target))
+    proc = run_apply(patch_set, "apply", "--target", str(small_target))
     assert f"{first} does not apply" in proc.stderr
 
 
@@ -534,7 +534,7 @@ def test_the_recovery_hint_acts_on_the_target_it_is_about(
 ):
     argv = ["--patch-set", str(patch_set), "apply", "--target"]
     kill_at(argv, tmp_path, small_target, second_swap)
-    proc = tool(patch_set, "status", "--target", str(small_target))
+    proc = run_apply(patch_set, "status", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_INTERRUPTED
     assert f"apply --target {small_target}` or `" in proc.stdout
     assert f"revert --target {small_target}` finishes it" in proc.stdout
@@ -547,7 +547,7 @@ def test_apply_refuses_an_immutable_file_before_any_write(patch_set, small_targe
         pytest.skip("chattr +i is not available here (needs root and ext4/xfs)")
     try:
         before = tree_digest(small_target)
-        proc = tool(patch_set, "apply", "--target", str(small_target))
+        proc = run_apply(patch_set, "apply", "--target", str(small_target))
         assert proc.returncode == apply.EXIT_ERROR, proc.stdout + proc.stderr
         assert (
             f"immutable or append-only (`chattr -i`), nothing was written: {logger}"

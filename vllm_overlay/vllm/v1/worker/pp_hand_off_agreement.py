@@ -115,6 +115,8 @@ class BatchShape:
 
     @property
     def num_reqs(self) -> int:
+        # Only uniform decode graphs constrain the request count; every
+        # other graph takes as many requests as it has tokens.
         return self.num_tokens // (self.uniform_token_count or self.num_tokens)
 
     def __str__(self) -> str:

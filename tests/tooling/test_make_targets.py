@@ -1,0 +1,153 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the make targets say on a fresh node: a missing or old Python named
+with the fix before anything is built or started, and `make status` answering
+without make's error line unless the state is a real problem."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import apply
+
+PROJECT_DIR = Path(apply.__file__).resolve().parent
+
+
+def python_3_10(tmp_path: Path) -> Path:
+    """An interpreter that is Python 3.10 to the program it runs, as Ubuntu
+    22.04's python3: it reports 3.10.12 and has no tomllib."""
+    site = tmp_path / "py310"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        "sys.version_info = (3, 10, 12, 'final', 0)\n"
+        "sys.version = '3.10.12 (main, Nov 20 2023, 15:14:05) [GCC 11.4.0]'\n"
+        "class NoTomllib:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'tomllib':\n"
+        "            raise ModuleNotFoundError(\"No module named 'tomllib'\")\n"
+        "sys.meta_path.insert(0, NoTomllib())\n"
+    )
+    script = site / "python3"
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def make(*args: str, cwd: Path = PROJECT_DIR, path: str | None = None):
+    env = dict(os.environ)
+    if path is not None:
+        env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
+    return subprocess.run(
+        ["make", "-s", *args], capture_output=True, text=True, cwd=cwd, env=env
+    )
+
+
+def test_make_serve_on_python_3_10_says_what_it_needs(tmp_path):
+    python = python_3_10(tmp_path)
+    result = make(
+        "serve",
+        "ARM=fi-noep",
+        "NODE_RANK=0",
+        "MODEL=/m",
+        "HOST_IP=h",
+        "MASTER_ADDR=m",
+        f"SERVE_PYTHON={python}",
+    )
+    assert result.returncode != 0 and result.stdout == ""
+    line = result.stderr.splitlines()[0]
+    # Named by the interpreter the stub runs, which reports 3.10.12.
+    assert line.startswith("eval.serve needs Python 3.11 or newer, as vLLM 0.33.0")
+    assert line.endswith(
+        " is 3.10.12. Run it with the python of the environment that serves vLLM "
+        "0.33.0: `make serve SERVE_PYTHON=/path/to/bin/python` (default: this "
+        "checkout's .venv)."
+    )
+
+
+def test_make_serve_without_its_python_says_how_to_get_one(tmp_path):
+    missing = tmp_path / "venv" / "bin" / "python"
+    result = make("serve", "ARM=fi-noep", f"SERVE_PYTHON={missing}")
+    assert result.stderr.startswith(
+        f"make serve: no python at SERVE_PYTHON={missing}: run `make apply`"
+    )
+    assert result.returncode != 0
+
+
+@pytest.fixture
+def fresh_clone(tmp_path: Path) -> Path:
+    """What `make setup` reads of a clone that has no .venv yet."""
+    clone = tmp_path / "clone"
+    clone.mkdir()
+    for name in ("Makefile", "setup.cfg"):
+        shutil.copy(PROJECT_DIR / name, clone / name)
+    return clone
+
+
+def test_make_apply_without_python_3_11_says_how_to_install_it(fresh_clone):
+    result = make("apply", "PYTHON=python3.11-not-installed", cwd=fresh_clone)
+    assert result.returncode != 0
+    assert result.stderr.splitlines()[0] == (
+        "make setup: python3.11-not-installed is not on PATH; vLLM 0.33.0 needs "
+        "Python 3.11 or newer. Install it (Ubuntu 22.04: sudo apt install "
+        "python3.11 python3.11-venv; or uv python install 3.11) or point PYTHON= "
+        "at one: make apply PYTHON=/path/to/python3.11"
+    )
+    assert not (fresh_clone / ".venv").exists()
+
+
+def test_make_apply_with_an_older_python_names_its_version(fresh_clone, tmp_path):
+    result = make("apply", f"PYTHON={python_3_10(tmp_path)}", cwd=fresh_clone)
+    assert result.returncode != 0
+    assert "is Python 3.10.12, vLLM 0.33.0 needs 3.11 or newer" in result.stderr
+    assert not (fresh_clone / ".venv").exists()
+
+
+def apply_py_answering(tmp_path: Path, code: int) -> str:
+    """A directory whose python3 runs any apply.py as one that prints a state
+    and exits ``code``."""
+    stub = tmp_path / "bin"
+    stub.mkdir()
+    python3 = stub / "python3"
+    python3.write_text(f"#!/bin/sh\necho 'state:    stub {code}'\nexit {code}\n")
+    python3.chmod(python3.stat().st_mode | stat.S_IEXEC)
+    return str(stub)
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        apply.EXIT_OK,
+        apply.EXIT_NOT_APPLIED,
+        apply.EXIT_DRIFT,
+        apply.EXIT_OTHER_REVISION,
+    ],
+)
+def test_make_status_reports_a_state_without_a_make_error(tmp_path, code):
+    result = make("status", path=apply_py_answering(tmp_path, code))
+    assert (result.returncode, result.stdout) == (0, f"state:    stub {code}\n")
+    assert result.stderr == ""
+
+
+@pytest.mark.parametrize("code", [apply.EXIT_ERROR, apply.EXIT_INTERRUPTED])
+def test_make_status_fails_on_a_real_problem(tmp_path, code):
+    result = make("status", path=apply_py_answering(tmp_path, code))
+    assert result.returncode != 0
+    assert f"Error {code}" in result.stderr
+
+
+def test_make_help_names_every_target_that_vllm_points(tmp_path):
+    makefile = (PROJECT_DIR / "Makefile").read_text()
+    recipes = re.findall(r"^([\w-]+):[^\n]*\n((?:\t[^\n]*\n)+)", makefile, re.M)
+    pointed = [target for target, recipe in recipes if "$(TARGET)" in recipe]
+    assert {"apply", "status", "pr-diff"} <= set(pointed)
+    text = make("help").stdout
+    paragraph = text[text.index("VLLM=/path") :].split(" instead of ")[0]
+    assert [t for t in pointed if t not in paragraph] == []
