@@ -38,7 +38,8 @@
 #
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
 # (site-packages, venv, checkout root or the vllm/ package) instead of .venv,
-# and tells gsm8k and bench whose patch state to record.
+# and tells gsm8k and bench whose patch state to record; for rebase it is the
+# tree the series moves onto.
 # Needs: python3 (3.9+) for apply.py; PYTHON=python3.11 (3.11+, as vLLM 0.33.0)
 # on PATH to build .venv, or PYTHON=/path/to/python3.11.
 

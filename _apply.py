@@ -2816,8 +2816,20 @@ def build_parser() -> argparse.ArgumentParser:
         "apply the series three-way to another vLLM tree and write the patch "
         "set for it (--target: where the pinned originals are)",
     )
-    rebase.add_argument("--onto", type=Path, required=True, metavar="TREE")
-    rebase.add_argument("--out", type=Path, required=True, metavar="DIR")
+    rebase.add_argument(
+        "--onto",
+        type=Path,
+        required=True,
+        metavar="TREE",
+        help="the vLLM to move the series onto (as --target takes it)",
+    )
+    rebase.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="where the rebased patch set goes (absent or empty)",
+    )
     rebase.add_argument(
         "--onto-version", help="TREE's vLLM version, where TREE does not say it"
     )
