@@ -373,8 +373,16 @@ def cmd_export_pulls(args: argparse.Namespace) -> int:
 @dataclass
 class Hunk:
     header: str
-    old: list[str]  # context and removed lines: what the hunk expects
-    new: list[str]  # context and added lines: what it writes
+    lines: list[str]  # with their " ", "-" or "+" mark
+
+    def run(self, mark: str) -> list[str]:
+        """The first run of lines the hunk removes ("-") or adds ("+")."""
+        marks = "".join(line[:1] for line in self.lines)
+        start = marks.find(mark)
+        if start < 0:
+            return []
+        end = start + len(marks[start:]) - len(marks[start:].lstrip(mark))
+        return [line[1:] for line in self.lines[start:end]]
 
 
 def hunks_of(patch: Patch) -> dict[str, list[Hunk]]:
@@ -385,12 +393,9 @@ def hunks_of(patch: Patch) -> dict[str, list[Hunk]]:
         if line.startswith("diff --git "):
             current = hunks.setdefault(line.rsplit(" b/", 1)[1], [])
         elif current is not None and line.startswith("@@ "):
-            current.append(Hunk(line.split(" @@")[0] + " @@", [], []))
+            current.append(Hunk(line.split(" @@")[0] + " @@", []))
         elif current and line[:1] in " -+" and line and not line.startswith("---"):
-            if line[0] in " -":
-                current[-1].old.append(line[1:])
-            if line[0] in " +":
-                current[-1].new.append(line[1:])
+            current[-1].lines.append(line)
     return hunks
 
 
@@ -407,13 +412,16 @@ class Conflict:
     base: list[str]  # the pinned vLLM's
     theirs: list[str]  # the patch's
 
-    def hunk(self, hunks: list[Hunk]) -> str:
-        """Which hunk of the patch the conflict is in: the one that expects
-        the base's lines and writes the patch's."""
-        for number, hunk in enumerate(hunks, 1):
-            if contains(hunk.old, self.base) and contains(hunk.new, self.theirs):
-                return f"hunk #{number} ({hunk.header})"
-        return "a hunk"
+    def hunks(self, hunks: list[Hunk]) -> str:
+        """The hunks of the patch whose change the conflict holds: the lines
+        a hunk removes among the base's, or those it adds among the patch's."""
+        named = [
+            f"hunk #{number} ({hunk.header})"
+            for number, hunk in enumerate(hunks, 1)
+            if (hunk.run("-") and contains(self.base, hunk.run("-")))
+            or (hunk.run("+") and contains(self.theirs, hunk.run("+")))
+        ]
+        return ", ".join(named) or "a hunk"
 
 
 def conflicts_in(text: str, rel: str) -> list[Conflict]:
@@ -534,7 +542,7 @@ def conflict_report(
     for rel in unmerged:
         for conflict in conflicts_in(read_text(repo / rel), rel):
             lines.append(
-                f"  CONFLICT {rel} {conflict.hunk(hunks.get(rel, []))}, at line "
+                f"  CONFLICT {rel} {conflict.hunks(hunks.get(rel, []))}, at line "
                 f"{conflict.line} of the merged file"
             )
             for side, text in (
