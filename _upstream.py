@@ -394,7 +394,7 @@ def hunks_of(patch: Patch) -> dict[str, list[Hunk]]:
             current = hunks.setdefault(line.rsplit(" b/", 1)[1], [])
         elif current is not None and line.startswith("@@ "):
             current.append(Hunk(line.split(" @@")[0] + " @@", []))
-        elif current and line[:1] in " -+" and line and not line.startswith("---"):
+        elif current and line[:1] in (" ", "-", "+"):
             current[-1].lines.append(line)
     return hunks
 
@@ -591,7 +591,8 @@ def rebase(
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ApplyError(f"{out}: exists and is not an empty directory")
     tree = tree_sources(onto, patch_set.patched_files)
-    taken = [rel for rel in patch_set.overlay if pristine_source(onto)(rel)]
+    in_tree = pristine_source(onto)
+    taken = [rel for rel in patch_set.overlay if in_tree(rel) is not None]
     if taken:
         raise ApplyError(
             f"{onto.root} already has " + ", ".join(taken) + ", which the overlay "
@@ -599,6 +600,7 @@ def rebase(
             "took it)"
         )
     result = rebase_series(patch_set, base, onto, tree)
+    out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         write_rebased(patch_set, stage, result, tree, version)

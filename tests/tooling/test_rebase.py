@@ -223,3 +223,28 @@ def test_rebase_writes_the_version_the_tree_says_or_the_one_named(
     )
     assert proc.returncode == 0, proc.stderr
     assert apply.base_version(out) == "0.34.0.dev1"
+
+
+def test_rebase_names_a_file_the_tree_lacks(project, tree, pristine_cache, tmp_path):
+    spot = movable_hunk(project / "patches")
+    (tree / spot.file).unlink()
+    out = tmp_path / "rebased"
+    proc = rebase(project, tree, out, pristine_cache)
+    assert proc.returncode == apply.EXIT_ERROR
+    assert f"{spot.patch.name} does not apply to {tree}" in proc.stderr
+    assert spot.file in proc.stderr.split("even three-way:")[1]
+    assert not out.exists()
+
+
+def test_rebase_refuses_a_tree_that_already_has_an_overlay_module(
+    project, tree, pristine_cache, tmp_path
+):
+    rel = next(
+        str(p.relative_to(project / "vllm_overlay"))
+        for p in sorted((project / "vllm_overlay" / "vllm").rglob("*.py"))
+    )
+    (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+    (tree / rel).write_text("# upstream took it\n")
+    proc = rebase(project, tree, tmp_path / "rebased", pristine_cache)
+    assert proc.returncode == apply.EXIT_ERROR
+    assert f"{tree} already has {rel}, which the overlay adds" in proc.stderr
