@@ -258,7 +258,7 @@ def describe(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> 
     out = [f"# {pr.title}", "", "## Purpose", ""]
     if pr.number > 1:
         needs = ", ".join(f"{p.number}. {p.title}" for p in pulls[: pr.number - 1])
-        out += [f"Needs the pull requests before it: {needs}.", ""]
+        out += [f"On top of the pull requests before it: {needs}.", ""]
     for patch in pr.patches:
         out += [f"**{patch.headers['Subject']}.** {patch.headers['Description']}", ""]
     related = sorted(
