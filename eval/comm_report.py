@@ -75,6 +75,8 @@ def render(scenario: Scenario, tp: int, results: list[StageResult]) -> str:
                     f"{tuple(record.shape)} | {record.nbytes:,} |"
                 )
     lines += ["", *boundary_comparison(results, tp)]
+    if scenario.drafter == "mtp":
+        lines += ["", mtp_path(results[-1])]
     return "\n".join(lines) + "\n"
 
 
@@ -148,6 +150,24 @@ def end_gather_path(last: StageResult) -> str:
     )
 
 
+def mtp_path(last: StageResult) -> str:
+    """How the MTP layer on the last stage ran, by what it recorded."""
+    records = [r for r in last.ledger.records if r.phase == "drafter"]
+    collectives = [r for r in records if r.op != "sp_shard"]
+    shards = [r for r in records if r.op == "sp_shard"]
+    if not last.drafter_sequence_parallel:
+        return (
+            f"MTP layer: replicated, {len(collectives)} TP collectives, "
+            "no shard and no gather."
+        )
+    end = collectives[-1]
+    return (
+        f"MTP layer: sequence parallel, {len(shards)} shard of "
+        f"{shards[0].shape[0]} rows, {len(collectives)} TP collectives, the "
+        f"last an {end.op} of the {end.shape[0]}-row shard ({end.nbytes:,} B)."
+    )
+
+
 @contextlib.contextmanager
 def output_to(log: Path) -> Iterator[None]:
     """This process's stdout and stderr, and those of every process it starts
@@ -218,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         "VLLM_MOE_SKIP_PADDING=1, with a padding mask in the forward context",
     )
     parser.add_argument(
+        "--mtp",
+        action="store_true",
+        help="run vLLM's Kimi K3 MTP layer on the last stage after the target",
+    )
+    parser.add_argument(
         "--log",
         type=Path,
         default=DEFAULT_LOG,
@@ -243,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
                 aux_layers=tuple(int(x) for x in args.aux.split(",") if x),
                 production_flags=args.production_flags,
                 packed_gather_max_bytes=args.packed_gather_max_bytes,
+                drafter="mtp" if args.mtp else "",
             )
             results = run_ranks(args.tp, args.pp, scenario)
             report = render(scenario, args.tp, results)

@@ -42,7 +42,6 @@ def measurements(
         hand_over_intermediate_tensors,
     )
 
-    k3.get_tensor_model_parallel_world_size = lambda: tp
     text = object.__new__(k3.KimiLinearModel)
     nn.Module.__init__(text)
     text.use_sequence_parallel = True
@@ -86,7 +85,13 @@ def measurements(
             lambda: hand_over_intermediate_tensors(buffers, received, tokens, wrapper),
         ),
     ]
-    return [(name, best_us(call, number, repeat)) for name, call in cases]
+    # No process group here: the model's TP size is this run's --tp.
+    saved = k3.get_tensor_model_parallel_world_size
+    k3.get_tensor_model_parallel_world_size = lambda: tp
+    try:
+        return [(name, best_us(call, number, repeat)) for name, call in cases]
+    finally:
+        k3.get_tensor_model_parallel_world_size = saved
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""`make comm-report` says which end gather the last stage took, from what
-its ledger recorded, ends its output with that line, keeps the ranks'
-start-up output in a log it names, and leaves no shared memory behind."""
+"""`make comm-report` says which end gather the last stage took, and with
+--mtp how the MTP layer ran, from what its ledger recorded; it keeps the
+ranks' start-up output in a log it names and leaves no shared memory behind."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eval import comm_report
-from eval.comm_report import end_gather_path
+from eval.comm_report import end_gather_path, mtp_path
 from tests.sppp_testbed.accounting import CommLedger
 from tests.sppp_testbed.launcher import RankPool
 from tests.sppp_testbed.stages import StageResult, run_step
@@ -99,3 +99,54 @@ def test_the_report_ends_with_the_end_gather_and_frees_shared_memory(
     )
     assert len(made) == 2  # one per stage's TP group
     assert [name for name in made if Path("/dev/shm", name).exists()] == []
+
+
+def mtp_stage(sequence_parallel: bool) -> StageResult:
+    """A last stage whose MTP layer recorded what TP2, N=17 records."""
+    ledger = CommLedger(phase="drafter")
+    ops = [("all_reduce", 17), ("sp_shard", 17), ("all_gather", 9)]
+    if not sequence_parallel:
+        ops = [("all_reduce", 17), ("all_reduce", 17)]
+    for op, rows in ops:
+        ledger.add(op, torch.zeros(rows, 64, dtype=torch.float64))
+    return StageResult(
+        sequence_parallel=True,
+        layers=(2, 4),
+        ledger=ledger,
+        drafter_sequence_parallel=sequence_parallel,
+    )
+
+
+@pytest.mark.parametrize(
+    ("sequence_parallel", "said"),
+    [
+        (
+            True,
+            "MTP layer: sequence parallel, 1 shard of 17 rows, 2 TP collectives, "
+            "the last an all_gather of the 9-row shard (4,608 B).",
+        ),
+        (False, "MTP layer: replicated, 2 TP collectives, no shard and no gather."),
+    ],
+)
+def test_the_report_says_how_the_mtp_layer_ran(sequence_parallel, said):
+    assert mtp_path(mtp_stage(sequence_parallel)) == said
+
+
+def test_mtp_option_reports_a_step_with_the_mtp_layer(monkeypatch, capsys, tmp_path):
+    """--mtp runs the step with vLLM's MTP layer on the last stage and says
+    how it ran; without it, the report has no MTP line."""
+    asked = []
+
+    def run_ranks(tp: int, pp: int, scenario):
+        asked.append(scenario)
+        return [mtp_stage(True)] * (tp * pp)
+
+    monkeypatch.setattr(comm_report, "run_ranks", run_ranks)
+    log = ["--log", str(tmp_path / "ranks.log")]
+    comm_report.main(["--tp", "2", "--pp", "2", "--aux", "", "--mtp", *log])
+    assert asked[-1].drafter == "mtp"
+    out = capsys.readouterr().out
+    assert "\nMTP layer: sequence parallel, 1 shard of 17 rows" in out
+    comm_report.main(["--tp", "2", "--pp", "2", "--aux", "", *log])
+    assert asked[-1].drafter == ""
+    assert "MTP layer" not in capsys.readouterr().out

@@ -16,3 +16,11 @@ def test_each_measurement_is_a_time_per_call(capsys):
     ]
     assert names[5].startswith("hand_over_intermediate_tensors, whole call (8 rows")
     assert all(float(line.split(" us  ")[0]) > 0 for line in lines)
+
+
+def test_the_tool_leaves_the_model_module_as_it_found_it():
+    from vllm.models.kimi_k3.nvidia import model as k3
+
+    before = k3.get_tensor_model_parallel_world_size
+    hand_over_cost.measurements(tokens=17, tp=4, number=1, repeat=1)
+    assert k3.get_tensor_model_parallel_world_size is before

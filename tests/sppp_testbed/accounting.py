@@ -10,7 +10,8 @@ labelled with the phase the step is in:
 - ``layers``: from the first decoder layer of the stage to its last;
 - ``stage output``: after the stage's last layer (the last stage's gather);
 - ``PP recv`` / ``PP send``: the hand-off between stages, including the TP
-  all-gather vLLM's receiver runs for replicated keys.
+  all-gather vLLM's receiver runs for replicated keys;
+- ``drafter``: the drafter the last stage feeds after the target.
 
 A PP record holds one tensor key and the shape that actually travels: the
 1/TP slice when the transport treats the key as TP-replicated, else the
@@ -20,6 +21,7 @@ whole local tensor, as ``GroupCoordinator._should_use_all_gather`` decides.
 from __future__ import annotations
 
 import contextlib
+import types
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -80,6 +82,23 @@ class CommLedger:
             for name in TP_OPS:
                 delattr(tp_group, name)
             del pp_group.isend_tensor_dict, pp_group.irecv_tensor_dict
+
+    @contextlib.contextmanager
+    def counting(self, module: types.ModuleType, name: str) -> Iterator[None]:
+        """Record each call of ``module.name``, a local op such as
+        ``sp_shard``, under that name while the block runs: its input's
+        shape, and no bytes, since nothing is communicated."""
+        original = getattr(module, name)
+
+        def counted(tensor: torch.Tensor, *args, **kwargs):
+            self.records.append(CommRecord(self.phase, name, tuple(tensor.shape), 0))
+            return original(tensor, *args, **kwargs)
+
+        setattr(module, name, counted)
+        try:
+            yield
+        finally:
+            setattr(module, name, original)
 
     def watch_stage(self, model: nn.Module) -> None:
         """Switch phases at the model's embedding and first and last layer."""

@@ -7,7 +7,9 @@ their output, both with the TP group as ``all_gather_group`` and the model's
 transport overrides as ``all_gather_tensors`` when it has them (contract 4
 in docs/architecture.md, "The contracts"). Middle stages relay earlier
 stages' aux hidden states with the V2 runner's own
-``PPHandler.relay_aux_hidden_states``.
+``PPHandler.relay_aux_hidden_states``. With a drafter, the last stage then
+feeds it as the V2 runner does: vLLM's MTP layer on the target's gathered
+hidden states, or DSpark's input built from the aux list in slot order.
 """
 
 from __future__ import annotations
@@ -22,22 +24,29 @@ import torch
 
 from tests.sppp_testbed.accounting import CommLedger
 from tests.sppp_testbed.tiny_k3 import (
+    NUM_LAYERS,
     VOCAB,
+    build_dspark_context,
     build_model,
+    build_mtp,
+    draft_config,
     k3,
+    k3_mtp,
     k3_sp,
     scenario_config,
     stand_ins,
 )
-from vllm.config import set_current_vllm_config
+from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import ForwardContext, override_forward_context
 from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.gpu.pp_utils import PPHandler
+from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     aux_hidden_state_relay_keys,
     reserve_aux_intermediate_tensor_slots,
 )
+from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states
 from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
@@ -68,6 +77,18 @@ class Scenario:
     production_flags: bool = False
     # Overrides PACKED_GATHER_MAX_BYTES, to put a tiny step above the limit.
     packed_gather_max_bytes: int | None = None
+    # The target's depth (K3-like tap layouts need more layers than 4).
+    num_layers: int = NUM_LAYERS
+    # The drafter the last stage feeds after the target: "mtp" (vLLM's MTP
+    # layer) or "dspark" (its input, built from the aux states).
+    drafter: str = ""
+    # --speculative-config's moe_backend, laid over the drafter's config.
+    draft_moe_backend: str | None = None
+    # Decode-shaped batch: requests of query_len = 1 + k tokens each, none at
+    # position 0 (0: one prefill sequence at positions 0..N-1).
+    query_len: int = 0
+    # VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1: AttnRes aux taps capture the stream.
+    aux_attn_res_stream: bool = False
 
     def __str__(self) -> str:
         options = [f"N={self.num_tokens}", "SP" if self.sp else "no SP"]
@@ -83,6 +104,16 @@ class Scenario:
             options.append("production flags")
         if self.packed_gather_max_bytes is not None:
             options.append(f"packed gather <= {self.packed_gather_max_bytes} B")
+        if self.num_layers != NUM_LAYERS:
+            options.append(f"{self.num_layers} layers")
+        if self.drafter:
+            options.append(f"drafter={self.drafter}")
+        if self.draft_moe_backend:
+            options.append(f"draft moe_backend={self.draft_moe_backend}")
+        if self.query_len:
+            options.append(f"requests of {self.query_len} tokens")
+        if self.aux_attn_res_stream:
+            options.append("AttnRes aux stream")
         return ", ".join(options)
 
 
@@ -101,6 +132,16 @@ class StageResult:
     padding_mask: torch.Tensor | None = None
     # The packed end gather's limit this step ran with.
     packed_gather_max_bytes: int = 0
+    # With a drafter, on the last stage: whether its block ran SP; the MTP
+    # layer's (logits input, recurrent state); DSpark's combined input; and
+    # whether each aux state it was built from was contiguous.
+    drafter_sequence_parallel: bool | None = None
+    mtp_states: tuple[torch.Tensor, torch.Tensor] | None = None
+    drafter_input: torch.Tensor | None = None
+    aux_contiguous: list[bool] | None = None
+    # With production flags: the MTP layer's forward context's mask after it
+    # ran (this rank's rows under SP).
+    drafter_padding_mask: torch.Tensor | None = None
 
 
 # The seed's serve command sets the first; the second is 0.33.0's default,
@@ -164,10 +205,16 @@ def expect_extra_aux_key(model: torch.nn.Module) -> None:
         model._aux_upstream_total_cached += 1
 
 
+def mtp_skips_gather(model: torch.nn.Module) -> None:
+    """The MTP layer returns its block's shard without gathering it."""
+    k3_mtp.sp_all_gather = lambda x: x
+
+
 FAULTS = {
     "gather_by_shape": gather_by_shape,
     "shift_aux_slots": shift_aux_slots,
     "expect_extra_aux_key": expect_extra_aux_key,
+    "mtp_skips_gather": mtp_skips_gather,
 }
 
 
@@ -224,6 +271,67 @@ def token_ids(num_tokens: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (num_tokens,), generator=generator)
 
 
+def step_positions(scenario: Scenario, num_tokens: int) -> torch.Tensor:
+    """One sequence from position 0, or decode requests of ``query_len``
+    tokens each, request ``i`` continuing a context of ``3 + 5 i`` tokens."""
+    if not scenario.query_len:
+        return torch.arange(num_tokens)
+    assert num_tokens % scenario.query_len == 0, "whole requests only"
+    starts = 3 + 5 * torch.arange(num_tokens // scenario.query_len)
+    return (starts[:, None] + torch.arange(scenario.query_len)).flatten()
+
+
+def run_drafter(
+    scenario: Scenario,
+    config: VllmConfig,
+    result: StageResult,
+    model: torch.nn.Module,
+    positions: torch.Tensor,
+    ledger: CommLedger,
+) -> None:
+    """Feed the drafter on the last stage as the V2 runner does, from the
+    target's gathered outputs (``get_drafter_hidden_states``)."""
+    num_tokens = positions.shape[0]
+    hidden_states = get_drafter_hidden_states(model, result.hidden_states)
+    aux = result.aux_hidden_states or []
+    result.aux_contiguous = [state.is_contiguous() for state in aux]
+    if scenario.drafter == "mtp":
+        # Built with the target's VllmConfig, as load_eagle_model builds it.
+        drafter = build_mtp(
+            draft_config(config, scenario.draft_moe_backend), scenario.seed
+        )
+        layer = next(iter(drafter.layers.values()))
+        result.drafter_sequence_parallel = layer.mtp_block.use_sequence_parallel
+        # The drafter's tokens (serving shifts the target's by one and appends
+        # the sampled one): any ids the reference reads too.
+        ids = token_ids(num_tokens, scenario.seed + 1)
+        # A forward context of the drafter's own with an N-row mask (the V2
+        # speculator passes none, which sp_padding_mask takes as all False).
+        with (
+            ledger.in_phase("drafter"),
+            ledger.counting(k3_mtp, "sp_shard"),
+            forward_context(scenario, num_tokens) as context,
+        ):
+            result.mtp_states = drafter(ids, positions, hidden_states)
+        if context is not None:
+            result.drafter_padding_mask = context.is_padding
+        return
+    assert scenario.drafter == "dspark", scenario.drafter
+    # DSpark stores its context as DFlashSpeculator._store_hidden_states does:
+    # combine_hidden_states(cat of the aux list in slot order).
+    context = build_dspark_context(len(aux), scenario.seed)
+    speculator = types.SimpleNamespace(
+        _aux_staging=None,
+        model=context,
+        hidden_states=hidden_states.new_zeros(num_tokens, hidden_states.shape[-1]),
+    )
+    with ledger.in_phase("drafter"):
+        DFlashSpeculator._store_hidden_states(
+            speculator, num_tokens, hidden_states, aux
+        )
+    result.drafter_input = speculator.hidden_states
+
+
 def run_step(scenario: Scenario) -> StageResult:
     """Run in every rank; the last stage's result carries the outputs."""
     tp_group, pp_group = get_tp_group(), get_pp_group()
@@ -232,10 +340,14 @@ def run_step(scenario: Scenario) -> StageResult:
         pp_group.world_size,
         sp=scenario.sp,
         attn_res=scenario.attn_res,
+        num_layers=scenario.num_layers,
     )
     ledger = CommLedger()
+    variables = dict(PRODUCTION_FLAGS) if scenario.production_flags else {}
+    if scenario.aux_attn_res_stream:
+        variables["VLLM_KIMI_K3_AUX_ATTN_RES_STREAM"] = "1"
     with (
-        environment(PRODUCTION_FLAGS if scenario.production_flags else {}),
+        environment(variables),
         set_current_vllm_config(config),
         stand_ins(),
         torch.no_grad(),
@@ -277,13 +389,14 @@ def run_step(scenario: Scenario) -> StageResult:
             intermediate = through_legacy_runner(model, intermediate, num_tokens)
         ids = token_ids(scenario.num_tokens, scenario.seed)
         ids = torch.cat([ids, ids.new_zeros(num_tokens - ids.shape[0])])
+        positions = step_positions(scenario, num_tokens)
         with (
             ledger.in_phase("layers"),
             forward_context(scenario, num_tokens) as context,
         ):
             if context is not None:
                 result.dispatched_padding = context.is_padding
-            output = model(ids, torch.arange(num_tokens), intermediate)
+            output = model(ids, positions, intermediate)
             if context is not None:
                 result.padding_mask = context.is_padding
         if not pp_group.is_last_rank:
@@ -303,8 +416,10 @@ def run_step(scenario: Scenario) -> StageResult:
                     if handle is not None:
                         handle.wait()
             return result
-    if isinstance(output, tuple):
-        result.hidden_states, result.aux_hidden_states = output
-    else:
-        result.hidden_states = output
+        if isinstance(output, tuple):
+            result.hidden_states, result.aux_hidden_states = output
+        else:
+            result.hidden_states = output
+        if scenario.drafter:
+            run_drafter(scenario, config, result, model, positions, ledger)
     return result

@@ -13,7 +13,8 @@ module's namespace, for the duration of the build:
   changes the output, and the layer's own ``reduce_results``/reduce-scatter
   logic applies unchanged;
 - MoE: :class:`TokenwiseExperts`, a per-token map with replicated weights;
-- ``attn_res`` (Triton or SM100-native only): :func:`attn_res_reference`.
+- ``attn_res`` (Triton or SM100-native only): :func:`attn_res_reference`;
+- the MTP layer's ``fused_mtp_input`` (Triton): :func:`fused_mtp_input_reference`.
 
 Weights are drawn from a seed per parameter name at full size and loaded
 through each parameter's own ``weight_loader``, so every rank holds its shard
@@ -24,6 +25,7 @@ single-process reference only by summation order across TP shards.
 from __future__ import annotations
 
 import contextlib
+import copy
 import types
 import zlib
 from collections.abc import Iterator
@@ -36,6 +38,7 @@ from vllm.config import (
     KernelConfig,
     ParallelConfig,
     VllmConfig,
+    replace,
     set_current_vllm_config,
 )
 from vllm.distributed import (
@@ -43,11 +46,18 @@ from vllm.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from vllm.model_executor.layers.linear import LinearBase, RowParallelLinear
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    LinearBase,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
 from vllm.models.kimi_k3.nvidia import model as k3
+from vllm.models.kimi_k3.nvidia import mtp as k3_mtp
+from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 
 try:
@@ -161,6 +171,34 @@ def attn_res_reference(
     return mixed * rms * output_norm_weight
 
 
+def fused_mtp_input_reference(
+    positions: torch.Tensor,
+    inputs_embeds: torch.Tensor,
+    previous_hidden_states: torch.Tensor,
+    enorm_weight: torch.Tensor,
+    hnorm_weight: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """Pure-torch ``fused_mtp_input`` (the op is a Triton kernel).
+
+    Per token: the embedding, zeroed at position 0, RMS-normalised with
+    ``enorm_weight``, beside the previous hidden state RMS-normalised with
+    ``hnorm_weight``: ``eh_proj``'s ``2 * hidden`` input.
+    """
+
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+    embeds = inputs_embeds * (positions != 0)[:, None]
+    return torch.cat(
+        [
+            rms_norm(embeds, enorm_weight),
+            rms_norm(previous_hidden_states, hnorm_weight),
+        ],
+        dim=-1,
+    )
+
+
 STAND_INS = {
     "KimiK3DeltaAttention": SequenceMixer,
     "KimiLinearGatedDeltaNetAttention": SequenceMixer,
@@ -170,12 +208,16 @@ STAND_INS = {
 }
 
 
-def tiny_config(attn_res: bool = False) -> KimiLinearConfig:
+def tiny_config(
+    attn_res: bool = False, num_layers: int = NUM_LAYERS
+) -> KimiLinearConfig:
+    """KDA and MLA alternate, as in K3; one MTP layer follows the last."""
     return KimiLinearConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         intermediate_size=96,
-        num_hidden_layers=NUM_LAYERS,
+        num_hidden_layers=num_layers,
+        num_nextn_predict_layers=1,
         num_attention_heads=4,
         num_experts=4,
         num_experts_per_token=2,
@@ -183,8 +225,8 @@ def tiny_config(attn_res: bool = False) -> KimiLinearConfig:
         moe_intermediate_size=32,
         first_k_dense_replace=1,
         linear_attn_config={
-            "kda_layers": [1, 3],
-            "full_attn_layers": [2, 4],
+            "kda_layers": list(range(1, num_layers + 1, 2)),
+            "full_attn_layers": list(range(2, num_layers + 1, 2)),
             "use_full_rank_gate": True,
         },
         attn_res_block_size=2 if attn_res else None,
@@ -197,7 +239,12 @@ def tiny_config(attn_res: bool = False) -> KimiLinearConfig:
 
 
 def scenario_config(
-    tp: int, pp: int, *, sp: bool, attn_res: bool = False
+    tp: int,
+    pp: int,
+    *,
+    sp: bool,
+    attn_res: bool = False,
+    num_layers: int = NUM_LAYERS,
 ) -> VllmConfig:
     """A VllmConfig whose options ask for SP (EP, TP>1, MegaMoE) or not."""
     config = VllmConfig(
@@ -209,13 +256,13 @@ def scenario_config(
         kernel_config=KernelConfig(moe_backend="deep_gemm_mega_moe" if sp else "auto"),
         compilation_config=CompilationConfig(custom_ops=["none"]),
     )
-    hf_config = tiny_config(attn_res)
+    hf_config = tiny_config(attn_res, num_layers)
     # No checkpoint to read: the model only asks its ModelConfig for these.
     object.__setattr__(
         config,
         "model_config",
         types.SimpleNamespace(
-            hf_text_config=hf_config, hf_config=hf_config, dtype=DTYPE
+            hf_text_config=hf_config, hf_config=hf_config, dtype=DTYPE, head_dtype=DTYPE
         ),
     )
     return config
@@ -224,9 +271,13 @@ def scenario_config(
 @contextlib.contextmanager
 def stand_ins() -> Iterator[None]:
     """Swap the GPU-only classes in, and restore the modules afterwards
-    (including ``sp_all_gather`` and the packed-gather limit, which fault
-    injections and scenarios may replace)."""
+    (including ``sp_all_gather``, the MTP layer's SP ops and the packed-gather
+    limit, which fault injections and scenarios may replace)."""
     saved = {name: getattr(k3, name) for name in (*STAND_INS, "sp_all_gather")}
+    saved_mtp = {
+        name: getattr(k3_mtp, name)
+        for name in ("fused_mtp_input", "sp_shard", "sp_all_gather")
+    }
     saved_sp = {
         name: getattr(k3_sp, name)
         for name in ("sp_all_gather", "PACKED_GATHER_MAX_BYTES")
@@ -236,6 +287,7 @@ def stand_ins() -> Iterator[None]:
     try:
         for name, cls in STAND_INS.items():
             setattr(k3, name, cls)
+        k3_mtp.fused_mtp_input = fused_mtp_input_reference
         torch.cuda.Stream = lambda *args, **kwargs: None  # no CUDA streams on CPU
         yield
     finally:
@@ -243,6 +295,8 @@ def stand_ins() -> Iterator[None]:
             setattr(k3, name, cls)
         for name, value in saved_sp.items():
             setattr(k3_sp, name, value)
+        for name, value in saved_mtp.items():
+            setattr(k3_mtp, name, value)
         torch.cuda.Stream = saved_stream
 
 
@@ -287,3 +341,51 @@ def build_model(config: VllmConfig, seed: int = 0) -> k3.KimiLinearModel:
         model = k3.KimiLinearModel(vllm_config=config, prefix="model")
     load_seeded_weights(model, seed)
     return model.eval()
+
+
+def build_mtp(config: VllmConfig, seed: int = 0) -> k3_mtp.KimiK3MultiTokenPredictor:
+    """vLLM's MTP drafter (its own embedding and one
+    ``KimiK3MultiTokenPredictorLayer``), built from the target's
+    ``VllmConfig`` as ``load_eagle_model`` builds it, under
+    :func:`stand_ins`. Its embedding is seeded as the target's is."""
+    torch.set_default_dtype(DTYPE)
+    with set_current_vllm_config(config):
+        drafter = k3_mtp.KimiK3MultiTokenPredictor(vllm_config=config, prefix="model")
+    load_seeded_weights(drafter, seed)
+    return drafter.eval()
+
+
+def draft_config(config: VllmConfig, moe_backend: str | None) -> VllmConfig:
+    """The drafter's config as ``load_eagle_model`` makes it: the target's,
+    with ``--speculative-config``'s ``moe_backend``, when set, laid over the
+    kernel config (``SpeculativeConfig.apply_draft_overrides``, whose
+    ``replace`` of the whole ``VllmConfig`` wants a real ``ModelConfig``, so
+    the copy is made here)."""
+    if moe_backend is None:
+        return config
+    draft = copy.copy(config)
+    kernel_config = replace(config.kernel_config, moe_backend=moe_backend)
+    object.__setattr__(draft, "kernel_config", kernel_config)
+    return draft
+
+
+class DSparkContext(nn.Module):
+    """What of K3's DSpark drafter first reads the target's aux states:
+    ``context_proj`` and ``context_norm``, applied by vLLM's own
+    ``K3DSparkModel.combine_hidden_states``."""
+
+    combine_hidden_states = K3DSparkModel.combine_hidden_states
+
+    def __init__(self, num_taps: int):
+        super().__init__()
+        self.context_proj = ReplicatedLinear(
+            HIDDEN * num_taps, HIDDEN, bias=False, return_bias=False
+        )
+        self.context_norm = RMSNorm(HIDDEN, eps=1e-6)
+
+
+def build_dspark_context(num_taps: int, seed: int = 0) -> DSparkContext:
+    torch.set_default_dtype(DTYPE)
+    context = DSparkContext(num_taps)
+    load_seeded_weights(context, seed)
+    return context.eval()
