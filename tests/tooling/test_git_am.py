@@ -22,7 +22,9 @@ from tests.tooling.upstream_edits import (
     UPSTREAM_LINE,
     change_removed_line,
     commit,
+    context_after_an_earlier_patch,
     copy_files,
+    insert_line,
     movable_hunk,
     move_context,
     series,
@@ -114,3 +116,31 @@ def test_git_am_3_stops_naming_the_file_and_hunk_whose_lines_upstream_changed(
     merged = (clone / spot.file).read_text().split("\n")
     start = next(i for i, ln in enumerate(merged) if ln.startswith("<<<<<<< "))
     assert edited in merged[start + 1 : merged.index("=======", start)]
+
+
+def test_git_am_3_merges_a_file_an_earlier_patch_changed_with_the_series_blobs(
+    clone, pristine_cache, tmp_path
+):
+    """Where upstream and an earlier patch both changed a file, the later
+    patch's ``index`` line names a blob only a tree with the earlier patches
+    holds: ``git am -3`` stops there until it is fetched (from a repository
+    where the series went onto 0.33.0, as ``apply.py devtree`` makes one)."""
+    index, rel, after = context_after_an_earlier_patch(PATCHES, pristine_cache)
+    insert_line(clone, rel, after)
+    commit(clone, "upstream: move the context of a later patch's hunk")
+    code, output = am(clone, "-3")
+    assert code != 0
+    assert f"Patch failed at {index + 1:04d} " in output
+    assert "could not build fake ancestor" in output  # the blob is missing
+    git([*GIT_IDENTITY, "am", "--abort"], clone)
+    donor = tmp_path / "donor"
+    donor.mkdir()
+    git(["init", "-q", "--template="], donor)
+    copy_files(pristine_cache, donor, series_files(PATCHES))
+    commit(donor, "v0.33.0")
+    assert am(donor)[0] == 0
+    git(["fetch", "-q", str(donor)], clone)
+    code, output = am(clone, "-3")
+    assert code == 0, output
+    text = (clone / rel).read_text()
+    assert text.replace(UPSTREAM_LINE + "\n", "") == (donor / rel).read_text()

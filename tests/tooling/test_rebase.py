@@ -24,7 +24,9 @@ from tests.tooling.upstream_edits import (
     UPSTREAM_EDIT,
     UPSTREAM_LINE,
     change_removed_line,
+    context_after_an_earlier_patch,
     copy_files,
+    insert_line,
     movable_hunk,
     move_context,
     series,
@@ -248,3 +250,22 @@ def test_rebase_refuses_a_tree_that_already_has_an_overlay_module(
     proc = rebase(project, tree, tmp_path / "rebased", pristine_cache)
     assert proc.returncode == apply.EXIT_ERROR
     assert f"{tree} already has {rel}, which the overlay adds" in proc.stderr
+
+
+def test_rebase_merges_a_file_an_earlier_patch_and_upstream_both_changed(
+    project, tree, pristine_cache, tmp_path
+):
+    """Where ``git am -3`` on a plain clone lacks the blob a later patch's
+    ``index`` line names (``test_git_am.py``), rebase holds it."""
+    index, rel, after = context_after_an_earlier_patch(
+        project / "patches", pristine_cache
+    )
+    insert_line(tree, rel, after)
+    out = tmp_path / "rebased"
+    proc = rebase(project, tree, out, pristine_cache)
+    assert proc.returncode == 0, proc.stderr
+    name = series(project / "patches")[index].name
+    assert f"refreshed {name}" in " ".join(proc.stdout.split())
+    applied = run_tool(out, "apply", "--target", str(tree))
+    assert applied.returncode == 0, applied.stderr
+    assert UPSTREAM_LINE in (tree / rel).read_text()

@@ -115,3 +115,40 @@ def copy_files(pristine: Path, dest: Path, rels: list[str]) -> None:
 def commit(repo: Path, message: str) -> None:
     git(["add", "-A"], repo)
     git([*GIT_IDENTITY, "commit", "-q", "-m", message], repo)
+
+
+def context_after_an_earlier_patch(
+    patch_dir: Path, pristine: Path
+) -> tuple[int, str, int]:
+    """A hunk of a later patch, in a file an earlier patch also changes,
+    that opens with two context lines found once in the pristine file:
+    (the patch's index in the series, the file, the line after which an
+    upstream line lands between those two)."""
+    patches = series(patch_dir)
+    for index, patch in enumerate(patches):
+        earlier = {rel for p in patches[:index] for rel in touched(p)}
+        current = None
+        lines = patch.read_text().split("\n")
+        for at, line in enumerate(lines):
+            if line.startswith("diff --git "):
+                current = line.rsplit(" b/", 1)[-1]
+            elif line.startswith("@@ ") and current in earlier:
+                body = lines[at + 1 : at + 4]
+                if not all(ln.startswith(" ") for ln in body):
+                    continue
+                text = (pristine / current).read_text().split("\n")
+                pairs = [
+                    i
+                    for i in range(len(text) - 1)
+                    if [text[i], text[i + 1]] == [body[0][1:], body[1][1:]]
+                ]
+                if len(pairs) == 1 and not body[0].endswith("\\"):
+                    return index, current, pairs[0] + 1
+    raise AssertionError(f"no later patch in {patch_dir} shares a file this way")
+
+
+def insert_line(tree: Path, rel: str, after: int) -> None:
+    path = tree / rel
+    lines = path.read_text().split("\n")
+    lines.insert(after, UPSTREAM_LINE)
+    replace_file(path, lines)
