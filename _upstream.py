@@ -493,7 +493,10 @@ def rebase_series(
         make_repo(repo)
         copy_pristine(patch_set, base, repo, patch_set.patched_files)
         commit_all(repo, f"vLLM {patch_set.base_version()}")
-        for patch in patch_set.patches:  # stores each preimage blob
+        # Store every blob an index line names. git 2.32+ `apply --3way`
+        # merges first and writes each postimage itself; older ones apply
+        # directly where they can and write none, as `git am -3` does.
+        for patch in patch_set.patches:
             if failures := apply_patch(repo, patch):
                 raise ApplyError(
                     f"{patch.path} does not apply to the pinned vLLM "

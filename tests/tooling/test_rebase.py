@@ -256,7 +256,9 @@ def test_rebase_merges_a_file_an_earlier_patch_and_upstream_both_changed(
     project, tree, pristine_cache, tmp_path
 ):
     """Where ``git am -3`` on a plain clone lacks the blob a later patch's
-    ``index`` line names (``test_git_am.py``), rebase holds it."""
+    ``index`` line names (``test_git_am.py``), rebase has it: it stores every
+    intermediate blob (and this machine's git, 2.32 or newer, writes each
+    postimage as it merges an earlier patch three-way)."""
     index, rel, after = context_after_an_earlier_patch(
         project / "patches", pristine_cache
     )
