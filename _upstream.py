@@ -282,8 +282,8 @@ def describe(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> 
     ]
     if pr.figures:
         out += [
-            "Measured by k3-sppp on GPUs: the collectives alone "
-            "(`eval/nccl_bench.py`, PyTorch without vLLM), as committed there:",
+            "Measured by k3-sppp, quoted from its committed results, each "
+            "with the command that measured it:",
             "",
         ]
     for figure in pr.figures:
