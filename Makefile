@@ -7,8 +7,12 @@
 #                       *.k3-sppp-drift[.N], never overwritten)
 #   make status         what is applied where, and any drift
 #   make check          dry run: which patch and hunk would fail
-#   make pr-diff        one diff for an upstream vLLM pull request
-#   make lint           ruff and the series' consistency
+#   make pr-diff        build/pr/: one diff and description per upstream
+#                       pull request (patches/pull-requests.ini), in order
+#   make rebase         the series three-way onto another vLLM tree, written
+#                       as a patch set for it: VLLM=TREE [OUT=build/rebased]
+#                       [ONTO_VERSION=] (where TREE does not say its version)
+#   make lint           ruff, the series' consistency, the pull requests' order
 #   make manifest       regenerate patches/base.sha256 (the wheel's RECORD) and
 #                       patches/patched.sha256 (what the series writes)
 #   make nccl-bench     time the SP hand-off and the packed end gather over
@@ -34,7 +38,8 @@
 #
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
 # (site-packages, venv, checkout root or the vllm/ package) instead of .venv,
-# and tells gsm8k and bench whose patch state to record.
+# and tells gsm8k and bench whose patch state to record; for rebase it is the
+# tree the series moves onto.
 # Needs: python3 (3.9+) for apply.py; PYTHON=python3.11 (3.11+, as vLLM 0.33.0)
 # on PATH to build .venv, or PYTHON=/path/to/python3.11.
 
@@ -50,7 +55,7 @@ TARGET := $(if $(VLLM),--target "$(VLLM)")
 APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
-.PHONY: help setup apply revert status check test lint manifest pr-diff comm-report \
+.PHONY: help setup apply revert status check test lint manifest pr-diff rebase comm-report \
 	nccl-bench serve gsm8k gsm8k-compare bench bench-report
 
 help:
@@ -119,7 +124,13 @@ manifest: setup
 	$(APPLY) manifest
 
 pr-diff: setup
-	$(APPLY) export $(TARGET) -o build/k3-sppp-vllm-$(call pin,vllm).diff
+	$(APPLY) export $(TARGET) --pulls build/pr
+
+OUT ?= build/rebased
+rebase: setup
+	@test -n "$(VLLM)" || { echo "make rebase: say which tree: VLLM=TREE"; exit 2; }
+	$(APPLY) rebase --onto "$(VLLM)" --out "$(OUT)" \
+		$(if $(ONTO_VERSION),--onto-version "$(ONTO_VERSION)")
 
 comm-report: setup
 	$(VPY) -m eval.comm_report $(COMM_ARGS)

@@ -2457,6 +2457,10 @@ def copy_pristine(
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.pulls is not None:
+        from _upstream import cmd_export_pulls
+
+        return cmd_export_pulls(args)
     patch_set = load_patch_set(args.patch_set)
     require_clean(patch_set)
     target = resolve_target(args.target, args.patch_set)
@@ -2618,10 +2622,15 @@ def cmd_lint(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, args.patch_set)
     if problem := series_prefix_problem(patch_set, target):
         raise ApplyError(problem)
+    from _upstream import pulls_problem
+
+    if problem := pulls_problem(patch_set, target):
+        raise ApplyError(problem)
     say(
         f"{len(patch_set.patches)} patch(es), "
         f"{len(patch_set.overlay_export)} overlay file(s): consistent; "
-        "every prefix of the series applies and compiles"
+        "every prefix of the series applies and compiles, and so does each "
+        "declared pull request after the ones before it"
     )
     return EXIT_OK
 
@@ -2772,10 +2781,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one JSON object instead (schema: apply.status.__doc__, README)",
     )
     add("check", cmd_check, "dry run: name every patch and hunk that fails")
-    add(
-        "export", cmd_export, "one unified diff for an upstream pull request"
-    ).add_argument(
+    export = add("export", cmd_export, "one unified diff for an upstream pull request")
+    export.add_argument(
         "-o", "--output", type=Path, help="write here instead of standard output"
+    )
+    export.add_argument(
+        "--pulls",
+        type=Path,
+        metavar="DIR",
+        help="instead: one diff and description per pull request that "
+        "patches/pull-requests.ini declares, in order, into DIR",
     )
     add(
         "manifest",
@@ -2795,7 +2810,36 @@ def build_parser() -> argparse.ArgumentParser:
     add("refresh", cmd_refresh, "write patches/ back from a devtree").add_argument(
         "dir", type=Path
     )
+    rebase = add(
+        "rebase",
+        cmd_rebase,
+        "apply the series three-way to another vLLM tree and write the patch "
+        "set for it (--target: where the pinned originals are)",
+    )
+    rebase.add_argument(
+        "--onto",
+        type=Path,
+        required=True,
+        metavar="TREE",
+        help="the vLLM to move the series onto (as --target takes it)",
+    )
+    rebase.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        metavar="DIR",
+        help="where the rebased patch set goes (absent or empty)",
+    )
+    rebase.add_argument(
+        "--onto-version", help="TREE's vLLM version, where TREE does not say it"
+    )
     return parser
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    from _upstream import cmd_rebase as rebase_command
+
+    return rebase_command(args)
 
 
 def main(argv: list[str] | None = None) -> int:

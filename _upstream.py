@@ -1,0 +1,679 @@
+"""Hand the k3-sppp series upstream, and move it to another vLLM.
+
+Two jobs a vLLM contributor does with a patch set, on top of ``_apply.py``
+(whose git isolation, staging and patch parsing they reuse):
+
+- ``export --pulls DIR`` (``make pr-diff``): one diff per upstream pull
+  request, in the order they are opened, each with its description in vLLM's
+  template (Purpose, Test Plan, Test Result).  Which patches and overlay files
+  make which pull request is declared once, in ``patches/pull-requests.ini``;
+  ``lint`` checks that declaration and that each diff applies with plain
+  ``git apply`` on the pinned sources after the ones before it.
+- ``rebase --onto TREE --out DIR``: the series applied three-way, patch by
+  patch, to another vLLM tree (``git apply --3way`` in a repository that
+  holds the pinned originals' blobs, which the patches' ``index`` lines
+  name), written out as a complete patch set for that tree; a conflict is
+  reported like ``git am -3`` and writes nothing.
+
+Standard library only, Python 3.9+, as ``_apply.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import configparser
+import datetime
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from _apply import (
+    EXIT_OK,
+    MANIFEST,
+    RELATED_HEADER,
+    RESULTS,
+    ApplyError,
+    Patch,
+    PatchSet,
+    Target,
+    apply_patch,
+    commit_all,
+    copy_pristine,
+    git,
+    load_patch_set,
+    make_repo,
+    pristine_source,
+    read_text,
+    require_clean,
+    resolve_target,
+    say,
+    sha256_file,
+    write_atomic,
+)
+
+PULLS = "pull-requests.ini"
+PULL_KEYS = ("title", "patches", "overlay", "figures", "to-measure")
+NOT_RUN_HERE = (
+    "Not run here: no GPU path of the model. k3-sppp's tests run on the "
+    "CPU with gloo only: unit tests with fakes, and a tiny Kimi K3 built "
+    "from vLLM's own classes on real TP x PP rank processes against a "
+    "single-process reference; no CUDA graph, DeepGEMM or NCCL path of the "
+    "model has run, and no accuracy or throughput of Kimi K3 was measured."
+)
+# The diff options of ``export``: what ``git apply`` reads on any machine.
+DIFF_ARGS = (
+    "-c",
+    "core.quotepath=off",
+    "diff",
+    "--cached",
+    "--no-color",
+    "--no-ext-diff",
+    "--src-prefix=a/",
+    "--dst-prefix=b/",
+)
+# What ``refresh`` runs, so that a patch regenerated from an unchanged base
+# is byte for byte the file it came from.
+FORMAT_PATCH_ARGS = ("format-patch", "-N", "--zero-commit", "--no-signature")
+
+
+# --------------------------------------------------------------------------
+# The pull requests: declared once
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class PullRequest:
+    key: str  # the section name: build/pr/NN-<key>.diff
+    title: str
+    patches: list[Patch]
+    overlay: list[str]  # relative to vllm_overlay/, vllm/ and tests/
+    figures: list[str]  # FILE#Heading
+    to_measure: list[str]
+    number: int = 0
+
+    @property
+    def stem(self) -> str:
+        return f"{self.number:02d}-{self.key}"
+
+
+def lines_of(section: configparser.SectionProxy, key: str) -> list[str]:
+    return [v.strip() for v in section.get(key, "").splitlines() if v.strip()]
+
+
+def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
+    """The declared pull requests, and what is wrong with the declaration.
+
+    Every patch of the series and every overlay file belongs to exactly one
+    pull request, and the pull requests take the patches in series order
+    (each diff is made after the ones before it).
+    """
+    path = patch_set.patch_dir / PULLS
+    if not path.is_file():
+        raise ApplyError(
+            f"{path}: missing; it declares which patches and overlay files "
+            "make which upstream pull request"
+        )
+    config = configparser.ConfigParser(interpolation=None)
+    try:
+        config.read_string(read_text(path), str(path))
+    except configparser.Error as e:
+        raise ApplyError(f"{path}: not INI: {e}") from e
+    problems: list[str] = []
+    by_name = {p.name: p for p in patch_set.patches}
+    owner: dict[str, str] = {}
+    pulls = []
+    for number, key in enumerate(config.sections(), 1):
+        section = config[key]
+        for unknown in sorted(set(section) - set(PULL_KEYS)):
+            problems.append(f"{path}: [{key}] has unknown key {unknown!r}")
+        if not section.get("title", "").strip():
+            problems.append(f"{path}: [{key}] has no title")
+        names = lines_of(section, "patches")
+        overlay = lines_of(section, "overlay")
+        for name in names + overlay:
+            if name in owner:
+                problems.append(
+                    f"{path}: {name} is declared in both [{owner[name]}] and [{key}]"
+                )
+            owner.setdefault(name, key)
+        for name in names:
+            if name not in by_name:
+                problems.append(
+                    f"{path}: [{key}] names {name}, which patches/series does not list"
+                )
+        for rel in overlay:
+            if rel not in patch_set.overlay_export:
+                problems.append(
+                    f"{path}: [{key}] names {rel}, which is not under vllm_overlay/"
+                )
+        pulls.append(
+            PullRequest(
+                key,
+                section.get("title", "").strip(),
+                [by_name[n] for n in names if n in by_name],
+                overlay,
+                lines_of(section, "figures"),
+                lines_of(section, "to-measure"),
+                number,
+            )
+        )
+    for patch in patch_set.patches:
+        if patch.name not in owner:
+            problems.append(f"{patch.path}: belongs to no pull request in {path}")
+    for rel in patch_set.overlay_export:
+        if rel not in owner:
+            problems.append(
+                f"{patch_set.overlay_dir / rel}: belongs to no pull request in {path}"
+            )
+    declared = [p.name for pr in pulls for p in pr.patches]
+    in_series = [p.name for p in patch_set.patches if p.name in declared]
+    if declared != in_series:
+        problems.append(
+            f"{path}: takes the patches in the order {', '.join(declared)}; "
+            "patches/series applies them in another order; declare them in "
+            "series order, each pull request after the ones it needs"
+        )
+    for pr in pulls:
+        for figure in pr.figures:
+            try:
+                figure_section(patch_set.root, figure)
+            except ApplyError as e:
+                problems.append(f"{path}: [{pr.key}] {e}")
+    return pulls, problems
+
+
+def figure_section(root: Path, figure: str) -> tuple[str, str, str]:
+    """A committed result's title, the section ``FILE#Heading`` names, and
+    the command that measured it (its ``Command:`` line), verbatim."""
+    name, _, heading = figure.partition("#")
+    path = root / name
+    if not path.is_file() or not heading:
+        raise ApplyError(f"figures: {figure!r} is not FILE#Heading of a file here")
+    lines = read_text(path).splitlines()
+    title = next((ln.lstrip("# ") for ln in lines if ln.startswith("# ")), name)
+    command = next((ln for ln in lines if ln.startswith("Command:")), "")
+    try:
+        start = lines.index(f"## {heading}")
+    except ValueError:
+        raise ApplyError(f"figures: {name} has no section '## {heading}'") from None
+    end = next(
+        (i for i in range(start + 1, len(lines)) if lines[i].startswith("#")),
+        len(lines),
+    )
+    section = lines[start + 1 : end]
+    body = "\n".join(ln for ln in section if not ln.startswith("Command:"))
+    return title, body.strip(), command
+
+
+def staged_diff(repo: Path) -> str:
+    git(["add", "-A"], repo)
+    return git(list(DIFF_ARGS), repo).stdout
+
+
+def pull_diffs(
+    patch_set: PatchSet, target: Target, pulls: list[PullRequest]
+) -> list[str]:
+    """Each pull request's diff against the pinned sources with the ones
+    before it applied: its patches in series order, then its overlay files."""
+    diffs = []
+    with tempfile.TemporaryDirectory(prefix="k3-sppp-pulls-") as tmp:
+        repo = Path(tmp) / "tree"
+        repo.mkdir()
+        make_repo(repo)
+        copy_pristine(patch_set, target, repo, patch_set.patched_files)
+        commit_all(repo, f"vLLM {patch_set.base_version()}")
+        for pr in pulls:
+            for patch in pr.patches:
+                if failures := apply_patch(repo, patch):
+                    raise ApplyError(
+                        f"{patch.path} does not apply: " + "; ".join(failures)
+                    )
+            for rel in pr.overlay:
+                dst = repo / rel
+                dst.parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(patch_set.overlay_dir / rel, dst)
+            diffs.append(preamble(patch_set, pr, pulls) + staged_diff(repo))
+            commit_all(repo, pr.title)
+    return diffs
+
+
+def preamble(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> str:
+    before = [p.stem + ".diff" for p in pulls[: pr.number - 1]]
+    lines = [
+        f"{pr.title}",
+        f"Pull request {pr.number} of {len(pulls)}: k3-sppp revision "
+        f"{patch_set.revision()} against vLLM {patch_set.base_version()}.",
+        *[f"{p.name}: {p.headers['Subject']}" for p in pr.patches],
+        "Apply from a vLLM source root with `git apply`"
+        + (f", after {', '.join(before)}." if before else "."),
+    ]
+    return "".join(f"# {line}\n" for line in lines)
+
+
+def describe(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> str:
+    """The pull request's description in vLLM's template, from the patch
+    headers, the declaration and the committed figures it names."""
+    out = [f"# {pr.title}", "", "## Purpose", ""]
+    if pr.number > 1:
+        needs = ", ".join(f"{p.number}. {p.title}" for p in pulls[: pr.number - 1])
+        out += [f"On top of the pull requests before it: {needs}.", ""]
+    for patch in pr.patches:
+        out += [f"**{patch.headers['Subject']}.** {patch.headers['Description']}", ""]
+    related = sorted(
+        {p.headers[RELATED_HEADER] for p in pr.patches if RELATED_HEADER in p.headers}
+    )
+    out += [f"Related: {url}" for url in related] + ([""] if related else [])
+    new = [rel for rel in pr.overlay if rel.startswith("vllm/")]
+    tests = [rel for rel in pr.overlay if rel.startswith("tests/")]
+    if new:
+        out += ["New files: " + ", ".join(f"`{rel}`" for rel in new) + ".", ""]
+    out += ["## Test Plan", ""]
+    if tests:
+        out += ["```", "pytest -q " + " \\\n    ".join(tests), "```", ""]
+    out += [
+        "k3-sppp (the patch set this pull request comes from) runs these "
+        "tests in its `make test`, with the series applied to vLLM "
+        f"{patch_set.base_version()}.",
+        "",
+        "## Test Result",
+        "",
+    ]
+    if pr.figures:
+        out += [
+            "Measured by k3-sppp, quoted from its committed results, each "
+            "with the command that measured it:",
+            "",
+        ]
+    for figure in pr.figures:
+        title, body, command = figure_section(patch_set.root, figure)
+        name, _, heading = figure.partition("#")
+        out += [f"**{heading}** ({title}; `{name}`):", "", body, ""]
+        out += [command.replace("Command: ", "Measured with: "), ""] if command else []
+    for entry in pr.to_measure:
+        what, _, command = (part.strip() for part in entry.partition("|"))
+        out += [
+            f"Not in this description, since no result of it is committed: "
+            f"{what}; `{command}` in k3-sppp measures it.",
+            "",
+        ]
+    out += [NOT_RUN_HERE, ""]
+    return "\n".join(out)
+
+
+def write_pulls(patch_set: PatchSet, target: Target, out: Path) -> list[Path]:
+    """``build/pr``: NN-key.diff and NN-key.md per pull request; earlier
+    files of this form that no pull request writes now are removed."""
+    pulls, problems = read_pulls(patch_set)
+    if problems:
+        raise ApplyError(
+            "the pull requests are declared wrongly:\n  " + "\n  ".join(problems)
+        )
+    diffs = pull_diffs(patch_set, target, pulls)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for pr in pulls:
+        diff = diffs[pr.number - 1]
+        for suffix, text in ((".diff", diff), (".md", describe(patch_set, pr, pulls))):
+            path = out / (pr.stem + suffix)
+            path.write_text(text, encoding="utf-8")
+            written.append(path)
+    for stale in out.iterdir():
+        if re.fullmatch(r"\d\d-.+\.(diff|md)", stale.name) and stale not in written:
+            stale.unlink()
+    return written
+
+
+def pulls_problem(patch_set: PatchSet, target: Target) -> str | None:
+    """For ``lint``: the declaration's problems, or the first pull request
+    whose diff ``git apply`` refuses on the pinned sources after the ones
+    before it; None when the pull requests stand in order.  A patch set
+    that declares none (the tests' own) goes upstream as one diff."""
+    if not (patch_set.patch_dir / PULLS).is_file():
+        return None
+    pulls, problems = read_pulls(patch_set)
+    if problems:
+        return "\n  ".join(problems)
+    diffs = pull_diffs(patch_set, target, pulls)
+    with tempfile.TemporaryDirectory(prefix="k3-sppp-pulls-lint-") as tmp:
+        repo = Path(tmp) / "tree"
+        repo.mkdir()
+        make_repo(repo)
+        copy_pristine(patch_set, target, repo, patch_set.patched_files)
+        for pr in pulls:
+            diff = diffs[pr.number - 1]
+            path = Path(tmp) / (pr.stem + ".diff")
+            path.write_text(diff, encoding="utf-8")
+            proc = git(["apply", "--whitespace=error", str(path)], repo, check=False)
+            if proc.returncode != 0:
+                return (
+                    f"pull request {pr.stem} does not `git apply` on vLLM "
+                    f"{patch_set.base_version()} after the ones before it:\n"
+                    + proc.stderr.strip()
+                )
+    return None
+
+
+def cmd_export_pulls(args: argparse.Namespace) -> int:
+    patch_set = load_patch_set(args.patch_set)
+    require_clean(patch_set)
+    target = resolve_target(args.target, args.patch_set)
+    for path in write_pulls(patch_set, target, args.pulls):
+        lines = path.read_text(encoding="utf-8").count("\n")
+        say(f"wrote {path} ({lines} lines)")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------
+# Rebase: the series on another vLLM tree, three-way
+# --------------------------------------------------------------------------
+
+
+@dataclass
+class Hunk:
+    header: str
+    lines: list[str]  # with their " ", "-" or "+" mark
+
+    def run(self, mark: str) -> list[str]:
+        """The first run of lines the hunk removes ("-") or adds ("+")."""
+        marks = "".join(line[:1] for line in self.lines)
+        start = marks.find(mark)
+        if start < 0:
+            return []
+        end = start + len(marks[start:]) - len(marks[start:].lstrip(mark))
+        return [line[1:] for line in self.lines[start:end]]
+
+
+def hunks_of(patch: Patch) -> dict[str, list[Hunk]]:
+    """Every hunk of a format-patch file, by the file it changes."""
+    hunks: dict[str, list[Hunk]] = {}
+    current: list[Hunk] | None = None
+    for line in read_text(patch.path).split("\n"):
+        if line.startswith("diff --git "):
+            current = hunks.setdefault(line.rsplit(" b/", 1)[1], [])
+        elif current is not None and line.startswith("@@ "):
+            current.append(Hunk(line.split(" @@")[0] + " @@", []))
+        elif current and line[:1] in (" ", "-", "+"):
+            current[-1].lines.append(line)
+    return hunks
+
+
+def contains(lines: list[str], part: list[str]) -> bool:
+    starts = range(len(lines) - len(part) + 1)
+    return any(lines[i : i + len(part)] == part for i in starts)
+
+
+@dataclass
+class Conflict:
+    file: str
+    line: int  # first line of the conflict in the merged file
+    ours: list[str]  # the tree's lines
+    base: list[str]  # the pinned vLLM's
+    theirs: list[str]  # the patch's
+
+    def hunks(self, hunks: list[Hunk]) -> str:
+        """The hunks of the patch whose change the conflict holds: the lines
+        a hunk removes among the base's, or those it adds among the patch's."""
+        named = [
+            f"hunk #{number} ({hunk.header})"
+            for number, hunk in enumerate(hunks, 1)
+            if (hunk.run("-") and contains(self.base, hunk.run("-")))
+            or (hunk.run("+") and contains(self.theirs, hunk.run("+")))
+        ]
+        return ", ".join(named) or "a hunk"
+
+
+def conflicts_in(text: str, rel: str) -> list[Conflict]:
+    """The diff3-style conflict regions git left in a merged file."""
+    found: list[Conflict] = []
+    part = None
+    for number, line in enumerate(text.split("\n"), 1):
+        if line.startswith("<<<<<<< "):
+            found.append(Conflict(rel, number, [], [], []))
+            part = found[-1].ours
+        elif line.startswith("||||||| ") and part is not None:
+            part = found[-1].base
+        elif line == "=======" and part is not None:
+            part = found[-1].theirs
+        elif line.startswith(">>>>>>> ") and part is not None:
+            part = None
+        elif part is not None:
+            part.append(line)
+    return found
+
+
+@dataclass
+class Rebased:
+    patches: dict[str, bytes] = field(default_factory=dict)  # name -> file
+    changed: list[str] = field(default_factory=list)
+    results: dict[str, str] = field(default_factory=dict)  # rel -> SHA-256
+
+
+def today() -> str:
+    now = datetime.datetime.now(datetime.timezone.utc)  # noqa: UP017 -- 3.9
+    return now.strftime("%Y-%m-%d")
+
+
+def refreshed(patch: Patch, fresh: str) -> str | None:
+    """``patch`` with the diff ``format-patch`` made of it on the new base,
+    or None when that diff is byte for byte the one it has.  The header is
+    kept; ``Last-Update`` becomes today."""
+    original = read_text(patch.path)
+    old_head, _, old_body = original.partition("\ndiff --git ")
+    new_head, _, new_body = fresh.partition("\ndiff --git ")
+    if old_body == new_body:
+        return None
+    message, _, _ = old_head.partition("\n---\n")
+    message = re.sub(
+        r"^Last-Update:.*$", f"Last-Update: {today()}", message, count=1, flags=re.M
+    )
+    stat = new_head.partition("\n---\n")[2]
+    return f"{message}\n---\n{stat}\ndiff --git {new_body}"
+
+
+def tree_sources(onto: Target, rels: list[str]) -> dict[str, Path | None]:
+    """Each file's original in the tree (its backup where k3-sppp is
+    applied there), None where the tree has none."""
+    source = pristine_source(onto)
+    return {rel: source(rel) for rel in rels}
+
+
+def rebase_series(
+    patch_set: PatchSet, base: Target, onto: Target, tree: dict[str, Path | None]
+) -> Rebased:
+    """Apply the series three-way to ``tree``'s files, patch by patch, in a
+    repository that holds the pinned originals and every intermediate blob
+    the patches' ``index`` lines name; stop at the first conflict, which is
+    raised naming each hunk with both sides."""
+    result = Rebased()
+    with tempfile.TemporaryDirectory(prefix="k3-sppp-rebase-") as tmp:
+        repo = Path(tmp) / "tree"
+        repo.mkdir()
+        make_repo(repo)
+        copy_pristine(patch_set, base, repo, patch_set.patched_files)
+        commit_all(repo, f"vLLM {patch_set.base_version()}")
+        # Store every blob an index line names. git 2.32+ `apply --3way`
+        # merges first and writes each postimage itself; older ones apply
+        # directly where they can and write none, as `git am -3` does.
+        for patch in patch_set.patches:
+            if failures := apply_patch(repo, patch):
+                raise ApplyError(
+                    f"{patch.path} does not apply to the pinned vLLM "
+                    f"{patch_set.base_version()}: " + "; ".join(failures)
+                )
+            git(["add", "-A"], repo)
+        for rel, src in tree.items():
+            (repo / rel).unlink(missing_ok=True)
+            if src is not None:
+                shutil.copy2(src, repo / rel)
+        commit_all(repo, f"vLLM at {onto.root}")
+        for number, patch in enumerate(patch_set.patches):
+            proc = git(
+                ["-c", "merge.conflictStyle=diff3", "apply", "--3way", str(patch.path)],
+                repo,
+                check=False,
+            )
+            if proc.returncode != 0:
+                raise ApplyError(
+                    conflict_report(patch_set, patch, repo, proc.stderr, onto)
+                    + not_tried(patch_set.patches[number + 1 :])
+                )
+            commit_all(repo, patch.headers["Subject"])
+            fresh = git([*FORMAT_PATCH_ARGS, "--stdout", "-1", "HEAD"], repo).stdout
+            text = refreshed(patch, fresh)
+            if text is not None:
+                result.changed.append(patch.name)
+            result.patches[patch.name] = (
+                patch.path.read_bytes() if text is None else text.encode()
+            )
+        result.results = {
+            rel: sha256_file(repo / rel) for rel in patch_set.patched_files
+        }
+    return result
+
+
+def conflict_report(
+    patch_set: PatchSet, patch: Patch, repo: Path, stderr: str, onto: Target
+) -> str:
+    """What ``git am -3`` says, hunk by hunk, with the tree's side (ours),
+    the pinned vLLM's (base) and the patch's (theirs)."""
+    stages = git(["ls-files", "-u"], repo).stdout.splitlines()
+    unmerged = sorted({line.split("\t", 1)[1] for line in stages})
+    lines = [f"{patch.path.name} does not apply to {onto.root}, even three-way:"]
+    hunks = hunks_of(patch)
+    for rel in unmerged:
+        for conflict in conflicts_in(read_text(repo / rel), rel):
+            lines.append(
+                f"  CONFLICT {rel} {conflict.hunks(hunks.get(rel, []))}, at line "
+                f"{conflict.line} of the merged file"
+            )
+            for side, text in (
+                (f"{onto.root} (ours)", conflict.ours),
+                (f"vLLM {patch_set.base_version()} (base)", conflict.base),
+                (f"{patch.name} (theirs)", conflict.theirs),
+            ):
+                lines.append(f"    {side}:")
+                lines += [f"      | {ln}" for ln in text] or ["      (no lines)"]
+    if not unmerged:
+        errors = [ln for ln in stderr.strip().splitlines() if ln.startswith("error:")]
+        lines += [f"  {ln}" for ln in errors]
+    return "\n".join(lines)
+
+
+def not_tried(rest: list[Patch]) -> str:
+    names = ", ".join(p.name for p in rest)
+    return (
+        (f"\nnot tried: {names}" if rest else "")
+        + "\nnothing was written; `git am -3` of the series in a git clone of "
+        "that vLLM stops at this patch: resolve it there, `git am "
+        "--continue`, and `git format-patch` the commits into the new patch set "
+        "(README: Upstreaming)"
+    )
+
+
+def rebase(
+    patch_set: PatchSet,
+    base: Target,
+    onto: Target,
+    out: Path,
+    version: str | None = None,
+) -> Rebased:
+    """Write to ``out`` the patch set rebased onto ``onto``: refreshed
+    patches, series, the pull-request declaration (and the result files
+    whose figures it quotes) and any other file of ``patches/``,
+    ``base.version``, ``base.sha256`` and ``patched.sha256`` for that tree,
+    and the overlay unchanged.  ``patch_set`` is only read."""
+    require_clean(patch_set)
+    version = version or onto.version()
+    if version is None:
+        raise ApplyError(
+            f"{onto.root}: its vLLM version is unknown (no vllm/_version.py or "
+            "dist-info METADATA); name it with --onto-version"
+        )
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ApplyError(f"{out}: exists and is not an empty directory")
+    tree = tree_sources(onto, patch_set.patched_files)
+    in_tree = pristine_source(onto)
+    taken = [rel for rel in patch_set.overlay if in_tree(rel) is not None]
+    if taken:
+        raise ApplyError(
+            f"{onto.root} already has " + ", ".join(taken) + ", which the overlay "
+            "adds; nothing was written (drop it from vllm_overlay/ if upstream "
+            "took it)"
+        )
+    result = rebase_series(patch_set, base, onto, tree)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        write_rebased(patch_set, stage, result, tree, version)
+        problems = load_patch_set(stage).problems
+        if problems:
+            raise ApplyError(
+                "the rebased patch set is inconsistent:\n  " + "\n  ".join(problems)
+            )
+        if out.exists():
+            out.rmdir()
+        stage.rename(out)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return result
+
+
+def write_rebased(
+    patch_set: PatchSet,
+    dest: Path,
+    result: Rebased,
+    tree: dict[str, Path | None],
+    version: str,
+) -> None:
+    patches = dest / "patches"
+    patches.mkdir()
+    for path in sorted(patch_set.patch_dir.iterdir()):
+        generated = (MANIFEST, RESULTS, "base.version")
+        if path.is_file() and path.suffix != ".patch" and path.name not in generated:
+            shutil.copy2(path, patches / path.name)
+    for name, data in result.patches.items():
+        write_atomic(patches / name, data)
+    write_atomic(patches / "base.version", f"{version}\n".encode())
+    base_lines = [
+        f"# SHA-256 of the vLLM {version} files the series patches, as found in",
+        "# the tree `apply.py rebase` moved the series to; do not edit.",
+    ] + [f"{sha256_file(src)}  {rel}" for rel, src in tree.items() if src is not None]
+    write_atomic(patches / MANIFEST, ("\n".join(base_lines) + "\n").encode())
+    results = dict(result.results)
+    results.update(
+        (rel, sha256_file(patch_set.overlay_dir / rel)) for rel in patch_set.overlay
+    )
+    result_lines = [
+        f"# SHA-256 of every file the patch set writes into vLLM {version}: the",
+        "# series applied by `apply.py rebase`, and the overlay files; do not edit.",
+    ] + [f"{results[rel]}  {rel}" for rel in sorted(results)]
+    write_atomic(patches / RESULTS, ("\n".join(result_lines) + "\n").encode())
+    shutil.copytree(
+        patch_set.overlay_dir,
+        dest / "vllm_overlay",
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    if (patch_set.patch_dir / PULLS).is_file():  # the figures they quote
+        pulls, _ = read_pulls(patch_set)
+        for name in {f.partition("#")[0] for pr in pulls for f in pr.figures}:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(patch_set.root / name, dest / name)
+
+
+def cmd_rebase(args: argparse.Namespace) -> int:
+    patch_set = load_patch_set(args.patch_set)
+    base = resolve_target(args.target, args.patch_set)
+    onto = resolve_target(args.onto, args.patch_set)
+    out = args.out.resolve()
+    result = rebase(patch_set, base, onto, out, args.onto_version)
+    for patch in patch_set.patches:
+        state = "refreshed" if patch.name in result.changed else "unchanged"
+        say(f"  {state:<10}{patch.name}")
+    say(
+        f"wrote {out}: {len(result.changed)} of {len(patch_set.patches)} patch(es) "
+        f"refreshed; `python3 apply.py --patch-set {out} apply --target "
+        f"{onto.root}` applies it"
+    )
+    return EXIT_OK

@@ -1,0 +1,195 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``make pr-diff`` (``apply.py export --pulls DIR``): one diff and one
+description per upstream pull request, as ``patches/pull-requests.ini``
+declares them, and the lint that keeps that declaration whole.
+
+Everything is read from the patch set as it is when the tests run: the
+declaration, the patch headers and the committed result files.
+"""
+
+from __future__ import annotations
+
+import configparser
+import hashlib
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from _apply import git
+from tests.tooling.conftest import PROJECT_DIR, run_tool
+from tests.tooling.upstream_edits import copy_files, series, series_files
+
+PULLS = PROJECT_DIR / "patches" / "pull-requests.ini"
+
+
+def declared() -> configparser.ConfigParser:
+    config = configparser.ConfigParser(interpolation=None)
+    config.read_string(PULLS.read_text())
+    return config
+
+
+def values(section: configparser.SectionProxy, key: str) -> list[str]:
+    return section.get(key, "").split()
+
+
+@pytest.fixture(scope="module")
+def pulls(pristine_cache: Path, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("pr")
+    proc = run_tool(
+        PROJECT_DIR, "export", "--pulls", str(out), "--target", str(pristine_cache)
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A copy of this project's patch set, free to edit."""
+    root = tmp_path / "k3-sppp"
+    for part in ("patches", "vllm_overlay", "results"):
+        shutil.copytree(PROJECT_DIR / part, root / part)
+    return root
+
+
+def test_pr_diffs_apply_in_order_and_add_up_to_the_series(
+    pulls, pristine_cache, tmp_path
+):
+    """``git apply`` of each diff after the ones before it, on the pinned
+    sources, writes exactly what the series and the overlay write."""
+    repo = tmp_path / "vllm"
+    repo.mkdir()
+    git(["init", "-q", "--template="], repo)
+    copy_files(pristine_cache, repo, series_files(PROJECT_DIR / "patches"))
+    stems = [f"{n:02d}-{key}" for n, key in enumerate(declared().sections(), 1)]
+    assert sorted(p.stem for p in pulls.glob("*.diff")) == stems
+    for stem in stems:
+        proc = git(["apply", str(pulls / f"{stem}.diff")], repo, check=False)
+        assert proc.returncode == 0, f"{stem}: {proc.stderr}"
+    lines = (PROJECT_DIR / "patches" / "patched.sha256").read_text().splitlines()
+    for line in (ln for ln in lines if ln[:1] != "#"):
+        digest, rel = line.split("  ", 1)
+        assert hashlib.sha256((repo / rel).read_bytes()).hexdigest() == digest, rel
+    for test in (PROJECT_DIR / "vllm_overlay" / "tests").rglob("*.py"):
+        rel = test.relative_to(PROJECT_DIR / "vllm_overlay")
+        assert (repo / rel).read_bytes() == test.read_bytes(), rel
+
+
+def test_each_diff_holds_exactly_its_declared_patches_and_files(pulls):
+    for number, key in enumerate(declared().sections(), 1):
+        section = declared()[key]
+        diff = (pulls / f"{number:02d}-{key}.diff").read_text()
+        files = set(re.findall(r"^diff --git a/\S+ b/(\S+)$", diff, re.M))
+        patched = {
+            rel
+            for patch in series(PROJECT_DIR / "patches")
+            if patch.name in values(section, "patches")
+            for rel in re.findall(
+                r"^diff --git a/\S+ b/(\S+)$", patch.read_text(), re.M
+            )
+        }
+        assert files == patched | set(values(section, "overlay")), key
+
+
+def test_description_is_vllms_template_from_the_patch_headers(pulls):
+    for number, key in enumerate(declared().sections(), 1):
+        section = declared()[key]
+        text = (pulls / f"{number:02d}-{key}.md").read_text()
+        assert text.startswith(f"# {section['title']}\n")
+        heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
+        assert heads == ["## Purpose", "## Test Plan", "## Test Result"]
+        for name in values(section, "patches"):
+            patch = (PROJECT_DIR / "patches" / name).read_text()
+            description = re.search(
+                r"^Description: (.*?)\n(?=\S)", patch, re.M | re.S
+            ).group(1)
+            assert " ".join(description.split()) in text, name
+        for rel in values(section, "overlay"):
+            if rel.startswith("tests/"):
+                assert rel in text.split("## Test Plan")[1].split("## Test Result")[0]
+        assert "Not run here: no GPU path of the model" in text
+
+
+def test_description_quotes_the_committed_figures_it_names(project, pristine_cache):
+    """A figure changed in the result file changes the description: the
+    table is quoted, not typed a second time."""
+    figures = [
+        f
+        for key in declared().sections()
+        for f in declared()[key].get("figures", "").splitlines()
+        if f.strip()
+    ]
+    assert figures, "the declaration names no committed figure"
+    name, heading = figures[0].strip().split("#", 1)
+    result = project / name
+    text = result.read_text()
+    section = text.split(f"## {heading}\n", 1)[1]
+    row = next(
+        ln
+        for ln in section.splitlines()
+        if ln.startswith("| ") and "µs" not in ln and "---" not in ln
+    )
+    changed = row.replace("|", "| 12345.6 ", 1)
+    result.write_text(text.replace(row, changed, 1))
+    out = project / "build"
+    proc = run_tool(
+        project, "export", "--pulls", str(out), "--target", str(pristine_cache)
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert any(changed in md.read_text() for md in out.glob("*.md"))
+
+
+def edit_declaration(project: Path, old: str, new: str) -> None:
+    path = project / "patches" / "pull-requests.ini"
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new, 1))
+
+
+def lint(project: Path, pristine: Path) -> str:
+    proc = run_tool(project, "lint", "--target", str(pristine))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    return proc.stderr
+
+
+def test_lint_names_a_patch_no_pull_request_declares(project, pristine_cache):
+    last = series(project / "patches")[-1]
+    edit_declaration(project, f"    {last.name}\n", "")
+    assert f"{last}: belongs to no pull request in" in lint(project, pristine_cache)
+
+
+def test_lint_names_an_overlay_file_no_pull_request_declares(project, pristine_cache):
+    rel = next(
+        rel
+        for key in declared().sections()
+        for rel in values(declared()[key], "overlay")
+    )
+    edit_declaration(project, f"    {rel}\n", "")
+    overlay = project / "vllm_overlay" / rel
+    assert f"{overlay}: belongs to no pull request in" in lint(project, pristine_cache)
+
+
+def test_lint_names_a_file_declared_in_two_pull_requests(project, pristine_cache):
+    first, second = declared().sections()[:2]
+    rel = values(declared()[first], "overlay")[0]
+    path = project / "patches" / "pull-requests.ini"
+    head, _, tail = path.read_text().partition(f"[{second}]\n")
+    tail = tail.replace("overlay =\n", f"overlay =\n    {rel}\n", 1)
+    path.write_text(f"{head}[{second}]\n{tail}")
+    assert f"{rel} is declared in both [{first}] and [{second}]" in lint(
+        project, pristine_cache
+    )
+
+
+def test_lint_names_pull_requests_out_of_series_order(project, pristine_cache):
+    config = declared()
+    first, second, *rest = config.sections()
+    swapped = configparser.ConfigParser(interpolation=None)
+    for key in (second, first, *rest):
+        swapped[key] = dict(config[key])
+    with open(project / "patches" / "pull-requests.ini", "w") as f:
+        swapped.write(f)
+    assert "patches/series applies them in another order" in lint(
+        project, pristine_cache
+    )
