@@ -127,6 +127,20 @@ GIT_IDENTITY = (
     "commit.gpgsign=false",
 )
 DEVTREE_BASE_TAG = "k3-sppp-base"
+# The diff ``export`` writes: what ``git apply`` reads on any machine.
+DIFF_ARGS = (
+    "-c",
+    "core.quotepath=off",
+    "diff",
+    "--cached",
+    "--no-color",
+    "--no-ext-diff",
+    "--src-prefix=a/",
+    "--dst-prefix=b/",
+)
+# What ``refresh`` runs, so that a patch regenerated from an unchanged base
+# is byte for byte the file it came from.
+FORMAT_PATCH_ARGS = ("format-patch", "-N", "--zero-commit", "--no-signature")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _VERSION = re.compile(r"[0-9][0-9A-Za-z.+!_-]*")
 # Linux ioctl for inode flags (lsattr); immutable and append-only files
@@ -2477,19 +2491,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 f"{patch_set.patch_dir / name} does not apply: " + "; ".join(problems)
             )
         git(["add", "-A"], repo)
-        diff = git(
-            [
-                "-c",
-                "core.quotepath=off",
-                "diff",
-                "--cached",
-                "--no-color",
-                "--no-ext-diff",
-                "--src-prefix=a/",
-                "--dst-prefix=b/",
-            ],
-            repo,
-        ).stdout
+        diff = git(list(DIFF_ARGS), repo).stdout
     preamble = "".join(
         f"# {line}\n"
         for line in [
@@ -2697,19 +2699,7 @@ def cmd_refresh(args: argparse.Namespace) -> int:
     if git(["status", "--porcelain"], repo).stdout.strip():
         raise ApplyError(f"{repo}: uncommitted changes; commit them first")
     with tempfile.TemporaryDirectory(prefix="k3-sppp-refresh-") as tmp:
-        git(
-            [
-                "format-patch",
-                "-q",
-                "-N",
-                "--zero-commit",
-                "--no-signature",
-                "-o",
-                tmp,
-                f"{DEVTREE_BASE_TAG}..HEAD",
-            ],
-            repo,
-        )
+        git([*FORMAT_PATCH_ARGS, "-q", "-o", tmp, f"{DEVTREE_BASE_TAG}..HEAD"], repo)
         fresh = sorted(Path(tmp).glob("*.patch"))
         for path in patch_set.patch_dir.glob("*.patch"):
             path.unlink()

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _apply import (
+    DIFF_ARGS,
     EXIT_OK,
+    FORMAT_PATCH_ARGS,
     MANIFEST,
     RELATED_HEADER,
     RESULTS,
@@ -62,20 +64,6 @@ NOT_RUN_HERE = (
     "single-process reference; no CUDA graph, DeepGEMM or NCCL path of the "
     "model has run, and no accuracy or throughput of Kimi K3 was measured."
 )
-# The diff options of ``export``: what ``git apply`` reads on any machine.
-DIFF_ARGS = (
-    "-c",
-    "core.quotepath=off",
-    "diff",
-    "--cached",
-    "--no-color",
-    "--no-ext-diff",
-    "--src-prefix=a/",
-    "--dst-prefix=b/",
-)
-# What ``refresh`` runs, so that a patch regenerated from an unchanged base
-# is byte for byte the file it came from.
-FORMAT_PATCH_ARGS = ("format-patch", "-N", "--zero-commit", "--no-signature")
 
 
 # --------------------------------------------------------------------------
