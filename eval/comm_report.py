@@ -17,10 +17,8 @@ names; the report ends with the end gather the step took.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -168,27 +166,6 @@ def mtp_path(last: StageResult) -> str:
     )
 
 
-@contextlib.contextmanager
-def output_to(log: Path) -> Iterator[None]:
-    """This process's stdout and stderr, and those of every process it starts
-    meanwhile (the ranks' fork server, hence the ranks), go to ``log``."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        yield
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os.dup2(saved[0], 1)
-        os.dup2(saved[1], 2)
-        for descriptor in (fd, *saved):
-            os.close(descriptor)
-
-
 def run_ranks(tp: int, pp: int, scenario: Scenario) -> list[StageResult]:
     """One step on ``tp * pp`` ranks, their shared memory released after it."""
     from tests.sppp_testbed.launcher import RankPool
@@ -258,7 +235,10 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        with output_to(args.log):
+        from tests.sppp_testbed.launcher import printing_to
+
+        args.log.write_text("")  # this run's output only
+        with printing_to(str(args.log)):
             from tests.sppp_testbed.stages import Scenario
 
             scenario = Scenario(

@@ -14,7 +14,7 @@ import torch
 from eval import comm_report
 from eval.comm_report import end_gather_path, mtp_path
 from tests.sppp_testbed.accounting import CommLedger
-from tests.sppp_testbed.launcher import RankPool
+from tests.sppp_testbed.launcher import RankPool, printing_to
 from tests.sppp_testbed.stages import StageResult, run_step
 
 LIMIT = 41_943_040
@@ -62,7 +62,7 @@ def test_without_sp_there_is_no_end_gather():
 
 def test_processes_started_meanwhile_print_to_the_log(tmp_path, capfd):
     log = tmp_path / "ranks.log"
-    with comm_report.output_to(log):
+    with printing_to(str(log)):
         subprocess.run(["sh", "-c", "echo rank noise >&2; echo rank line"])
     subprocess.run(["sh", "-c", "echo restored"])
     assert log.read_text() == "rank noise\nrank line\n"

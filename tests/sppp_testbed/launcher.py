@@ -77,7 +77,7 @@ def start_fork_server(vllm_root: str | None = None, output: str | None = None) -
     if vllm_root is not None:  # the server's own imports come from the tree
         os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, (vllm_root, saved)))
     try:
-        with _printing_to(output):
+        with printing_to(output):
             server.ensure_running()
     finally:
         if saved is None:
@@ -88,8 +88,9 @@ def start_fork_server(vllm_root: str | None = None, output: str | None = None) -
 
 
 @contextlib.contextmanager
-def _printing_to(output: str | None) -> Iterator[None]:
-    """Processes started in this block print to ``output``."""
+def printing_to(output: str | None) -> Iterator[None]:
+    """This process and the processes started in this block print to
+    ``output`` (appended)."""
     if output is None:
         yield
         return
@@ -102,6 +103,8 @@ def _printing_to(output: str | None) -> Iterator[None]:
         os.dup2(fd, 2)
         yield
     finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
         os.dup2(saved[0], 1)
         os.dup2(saved[1], 2)
         for descriptor in (fd, *saved):
