@@ -218,10 +218,13 @@ def test_command_is_the_seeds_run_point(point, tmp_path):
 # -- running the sweep ---------------------------------------------------
 
 
-def fake_vllm(tmp_path: Path, fail: str = "", interrupt: str = "") -> Path:
+def fake_vllm(
+    tmp_path: Path, fail: str = "", interrupt: str = "", saved: bool = True
+) -> Path:
     """A `vllm bench serve` that logs its point and saves a result; the point
     ``fail`` (e.g. "128x8") gets one failed request; at the point
-    ``interrupt`` the user presses Ctrl-C once the client saved it."""
+    ``interrupt`` the user presses Ctrl-C, after the client saved its result
+    or (``saved=False``) before."""
     log = tmp_path / "calls.log"
     script = tmp_path / "vllm"
     script.write_text(
@@ -236,9 +239,11 @@ def fake_vllm(tmp_path: Path, fail: str = "", interrupt: str = "") -> Path:
         f"open({str(log)!r}, 'a').write(str(p) + '\\n')\n"
         f"failed = int(str(p) == {fail!r})\n"
         "r = result_file(p, 1000.0 + p.concurrency, 100.0, failed=failed)\n"
-        "open(v('--result-dir') + '/' + v('--result-filename'), 'w')"
+        f"stop = str(p) == {interrupt!r}\n"
+        f"if not stop or {saved!r}:\n"
+        "    open(v('--result-dir') + '/' + v('--result-filename'), 'w')"
         ".write(json.dumps(r))\n"
-        f"if str(p) == {interrupt!r}:\n"
+        "if stop:\n"
         "    import os, signal, time\n"
         "    os.kill(os.getppid(), signal.SIGINT)\n"
         "    time.sleep(30)\n"
@@ -247,38 +252,21 @@ def fake_vllm(tmp_path: Path, fail: str = "", interrupt: str = "") -> Path:
     return script
 
 
-def sweep(results: Path, url: str, vllm: Path, *extra: str):
+def sweep(
+    results: Path, url: str, vllm: Path, *extra: str, points="128x1,128x8,8192x1"
+):
     # A shell's background job ignores SIGINT, and so would the sweep.
     return subprocess.run(
         [sys.executable, "-m", "eval.bench", "--results", str(results), "run",
          "--arm", "mega-sp", "--base-url", url, "--model", "Kimi-K3",
          "--tokenizer", "/models/Kimi-K3", "--vllm", str(vllm),
-         "--points", "128x1,128x8,8192x1", *extra],
+         "--points", points, *extra],
         cwd=bench.PROJECT_DIR,
         capture_output=True,
         text=True,
         timeout=120,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
-
-
-def test_a_point_interrupted_after_its_client_saved_is_run_again(tmp_path):
-    """Ctrl-C reaches the client too, which may still save what it measured:
-    the sweep sets that file aside, and a rerun runs the point again."""
-    results = tmp_path / "results"
-    with serving("Kimi-K3") as url:
-        first = sweep(results, url, fake_vllm(tmp_path, interrupt="128x8"))
-        assert first.returncode == 130, first.stderr
-        assert (
-            "[2/3] mega-sp input 128, concurrency 8: interrupted (its partial "
-            "result kept as in128-c8.interrupted.json)" in first.stderr
-        )
-        assert (results / "mega-sp" / "in128-c8.interrupted.json").is_file()
-        assert not (results / "mega-sp" / "in128-c8.json").exists()
-        second = sweep(results, url, fake_vllm(tmp_path))
-        assert second.returncode == 0, second.stderr
-    calls = (tmp_path / "calls.log").read_text().split()
-    assert calls == ["128x1", "128x8", "128x8", "8192x1"]
 
 
 def test_failed_point_stops_the_sweep_and_a_rerun_resumes(tmp_path):
@@ -585,69 +573,68 @@ def test_verdict_is_beyond_the_spread_only_when_the_lead_exceeds_both_spreads(
 @pytest.fixture(scope="module")
 def decode_sweep(tmp_path_factory):
     """A real decode sweep of two points against the local server (1 ms per
-    token), interrupted with Ctrl-C as its second point starts, then run
-    again: (results, the first run's exit code and output, the files it
-    left, the second run)."""
+    token): (results, what it printed)."""
     tmp = tmp_path_factory.mktemp("decode")
     tokenizer = tiny_tokenizer(tmp / "tokenizer")
     results = tmp / "results"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"}
     with serving("Kimi-K3", itl_s=0.001) as url:
-        command = [
-            sys.executable, "-m", "eval.bench", "--results", str(results), "run",
-            "--arm", "fi-ep", "--base-url", url, "--model", "Kimi-K3",
-            "--tokenizer", str(tokenizer), "--sweep", "decode",
-            "--points", "1024x1,1024x8",
-        ]  # fmt: skip
-        first = subprocess.Popen(
-            command,
-            cwd=bench.PROJECT_DIR,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its own group, as a terminal's Ctrl-C
-            # A shell's background job ignores SIGINT, and so would the sweep.
-            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-        )
-        output = []
-        for line in first.stdout:
-            output.append(line)
-            if line.startswith("[2/2]") and "running" in line:
-                os.killpg(first.pid, signal.SIGINT)
-                break
-        output.append(first.communicate(timeout=120)[0])
-        kept = sorted(path.name for path in (results / "fi-ep").iterdir())
-        second = subprocess.run(
-            command, cwd=bench.PROJECT_DIR, env=env, capture_output=True,
-            text=True, timeout=240,
+        run = subprocess.run(
+            [sys.executable, "-m", "eval.bench", "--results", str(results), "run",
+             "--arm", "fi-ep", "--base-url", url, "--model", "Kimi-K3",
+             "--tokenizer", str(tokenizer), "--sweep", "decode",
+             "--points", "1024x1,1024x8"],
+            cwd=bench.PROJECT_DIR, env=env, capture_output=True, text=True,
+            timeout=240,
         )  # fmt: skip
-    return results, first.returncode, "".join(output), kept, second
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    return results, run.stdout
 
 
-def test_interrupted_decode_sweep_resumes_where_it_stopped(decode_sweep):
-    results, code, output, kept, second = decode_sweep
-    assert code == 130, output[-3000:]
+def test_decode_sweep_says_its_size_and_writes_a_file_per_point(decode_sweep):
+    results, output = decode_sweep
     assert output.startswith(
         "decode sweep: 2 points, 27 measured and 12 warm-up requests, 11 waves "
         "one after another (5,621 decode steps in sequence)"
     )
-    assert "[2/2] fi-ep input 1024, output 512, concurrency 8: interrupted" in output
-    # The client may save what it measured before it stops: set aside.
-    partial = ["in1024-out512-c8.interrupted.json"]
-    if "its partial result kept as in1024-out512-c8.interrupted.json" not in output:
-        partial = []
-    assert kept == ["in1024-out512-c1.json", *partial, "manifest.json"]
-    assert second.returncode == 0, second.stdout[-2000:] + second.stderr[-2000:]
-    assert (
-        "[1/2] fi-ep input 1024, output 512, concurrency 1: done before, skipped"
-        in (second.stdout)
-    )
-    assert "[2/2] fi-ep input 1024, output 512, concurrency 8: running" in second.stdout
+    assert "[2/2] fi-ep input 1024, output 512, concurrency 8: running" in output
+    assert sorted(path.name for path in (results / "fi-ep").iterdir()) == [
+        "in1024-out512-c1.json",
+        "in1024-out512-c8.json",
+        "manifest.json",
+    ]
     manifest = json.loads((results / "fi-ep" / "manifest.json").read_text())
     assert [(r["sweep"], r["points"]) for r in manifest["runs"]] == [
         ("decode", ["1024x1", "1024x8"])
-    ] * 2
+    ]
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["before", "after-save"])
+def test_an_interrupted_decode_sweep_resumes_where_it_stopped(tmp_path, saved):
+    """Ctrl-C during the second point (a real SIGINT, from the stand-in
+    client, before or after it saved its result): exit 130, the finished
+    point kept, the stopped one run again by the next run."""
+    results = tmp_path / "results"
+    decode = {"points": "1024x1,1024x8"}
+    with serving("Kimi-K3") as url:
+        stopping = fake_vllm(tmp_path, interrupt="1024x8", saved=saved)
+        first = sweep(results, url, stopping, "--sweep", "decode", **decode)
+        assert first.returncode == 130, first.stderr
+        assert (
+            "[2/2] mega-sp input 1024, output 512, concurrency 8: interrupted"
+            in first.stderr
+        )
+        kept = sorted(path.name for path in (results / "mega-sp").iterdir())
+        partial = ["in1024-out512-c8.interrupted.json"] if saved else []
+        assert kept == ["in1024-out512-c1.json", *partial, "manifest.json"]
+        second = sweep(results, url, fake_vllm(tmp_path), "--sweep", "decode", **decode)
+        assert second.returncode == 0, second.stderr
+    assert (
+        "[1/2] mega-sp input 1024, output 512, concurrency 1: done before, skipped"
+        in second.stdout
+    )
+    calls = (tmp_path / "calls.log").read_text().split()
+    assert calls == ["1024x1", "1024x8", "1024x8"]
 
 
 def test_decode_results_hold_the_clients_tpot_and_itl(decode_sweep):
