@@ -2470,6 +2470,20 @@ def copy_pristine(
         shutil.copy2(src, dst)
 
 
+def pristine_repo(
+    patch_set: PatchSet, target: Target, parent: Path, message: str | None = None
+) -> Path:
+    """A git repository in ``parent`` of the files the series patches, as
+    pinned; committed as ``message`` when one is given."""
+    repo = parent / "tree"
+    repo.mkdir()
+    make_repo(repo)
+    copy_pristine(patch_set, target, repo, patch_set.patched_files)
+    if message is not None:
+        commit_all(repo, message)
+    return repo
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     if args.pulls is not None:
         from _upstream import cmd_export_pulls
@@ -2479,11 +2493,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     require_clean(patch_set)
     target = resolve_target(args.target, args.patch_set)
     with tempfile.TemporaryDirectory(prefix="k3-sppp-export-") as tmp:
-        repo = Path(tmp) / "tree"
-        repo.mkdir()
-        make_repo(repo)
-        copy_pristine(patch_set, target, repo, patch_set.patched_files)
-        commit_all(repo, "base")
+        repo = pristine_repo(patch_set, target, Path(tmp), "base")
         failures = stage_patch_set(patch_set, repo, overlay=patch_set.overlay_export)
         if failures:
             name, problems = next(iter(failures.items()))

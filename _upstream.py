@@ -42,10 +42,9 @@ from _apply import (
     Target,
     apply_patch,
     commit_all,
-    copy_pristine,
     git,
     load_patch_set,
-    make_repo,
+    pristine_repo,
     pristine_source,
     read_text,
     require_clean,
@@ -207,11 +206,9 @@ def pull_diffs(
     before it applied: its patches in series order, then its overlay files."""
     diffs = []
     with tempfile.TemporaryDirectory(prefix="k3-sppp-pulls-") as tmp:
-        repo = Path(tmp) / "tree"
-        repo.mkdir()
-        make_repo(repo)
-        copy_pristine(patch_set, target, repo, patch_set.patched_files)
-        commit_all(repo, f"vLLM {patch_set.base_version()}")
+        repo = pristine_repo(
+            patch_set, target, Path(tmp), f"vLLM {patch_set.base_version()}"
+        )
         for pr in pulls:
             for patch in pr.patches:
                 if failures := apply_patch(repo, patch):
@@ -325,10 +322,7 @@ def pulls_problem(patch_set: PatchSet, target: Target) -> str | None:
         return "\n  ".join(problems)
     diffs = pull_diffs(patch_set, target, pulls)
     with tempfile.TemporaryDirectory(prefix="k3-sppp-pulls-lint-") as tmp:
-        repo = Path(tmp) / "tree"
-        repo.mkdir()
-        make_repo(repo)
-        copy_pristine(patch_set, target, repo, patch_set.patched_files)
+        repo = pristine_repo(patch_set, target, Path(tmp))
         for pr in pulls:
             diff = diffs[pr.number - 1]
             path = Path(tmp) / (pr.stem + ".diff")
@@ -476,11 +470,9 @@ def rebase_series(
     raised naming each hunk with both sides."""
     result = Rebased()
     with tempfile.TemporaryDirectory(prefix="k3-sppp-rebase-") as tmp:
-        repo = Path(tmp) / "tree"
-        repo.mkdir()
-        make_repo(repo)
-        copy_pristine(patch_set, base, repo, patch_set.patched_files)
-        commit_all(repo, f"vLLM {patch_set.base_version()}")
+        repo = pristine_repo(
+            patch_set, base, Path(tmp), f"vLLM {patch_set.base_version()}"
+        )
         # Store every blob an index line names. git 2.32+ `apply --3way`
         # merges first and writes each postimage itself; older ones apply
         # directly where they can and write none, as `git am -3` does.
