@@ -63,8 +63,10 @@ help:
 
 setup: $(STAMP)
 
-# vLLM 0.33.0 needs Python 3.11 or newer: say so, and how to get one, before
-# a venv is attempted.
+# vLLM 0.33.0 needs Python 3.11 or newer, and .venv about 11 GiB (measured:
+# `du -sh .venv`): say so, and how to get either, before a venv is attempted,
+# not as pip's OSError halfway through.
+SETUP_FREE_GIB ?= 12
 $(STAMP): setup.cfg
 	@test -x $(VPY) || { \
 	if ! command -v "$(PYTHON)" > /dev/null 2>&1; then \
@@ -79,6 +81,14 @@ $(STAMP): setup.cfg
 			"$$("$(PYTHON)" -c 'import platform; print(platform.python_version())')," \
 			"vLLM $(call pin,vllm) needs 3.11 or newer: PYTHON=/path/to/python3.11" >&2; \
 		exit 1; }; \
+	free_kib=$$(df -Pk . | awk 'NR == 2 { print $$4 }'); \
+	if [ "$$free_kib" -lt $$(($(SETUP_FREE_GIB) * 1048576)) ]; then \
+		echo "make setup: $$((free_kib / 1048576)) GiB free on the disk of" \
+			"$(CURDIR); .venv (vLLM $(call pin,vllm), torch $(call pin,torch)" \
+			"with its CUDA libraries) needs about $(SETUP_FREE_GIB) GiB. Free" \
+			"space there, or clone k3-sppp onto a larger disk" >&2; \
+		exit 1; \
+	fi; \
 	"$(PYTHON)" -m venv $(VENV) || { rm -rf $(VENV); \
 		echo "make setup: $(PYTHON) -m venv failed (Debian/Ubuntu: sudo apt" \
 			"install python3.11-venv)" >&2; exit 1; }; }
@@ -108,12 +118,19 @@ check:
 
 # Tests always run in .venv, so they apply there whatever VLLM says; an
 # older revision of this patch set applied there (exit 6) is replaced.
+# What vLLM, torch and the tests write to TMPDIR (ZeroMQ sockets, torchrun's
+# logs, inductor's cache, pytest's tmp_path, the ranks' output) goes to one
+# directory per run: removed after a passing run, kept and named after a
+# failing one, so repeated runs do not fill a node's /tmp.
 test: setup
 	@$(APPLY) status > /dev/null; if [ $$? -eq 6 ]; then \
 		echo "make test: .venv has another revision of the patch set; replacing it"; \
 		$(APPLY) revert; fi
 	$(APPLY) apply
-	$(VPY) -m pytest $(PYTEST_ARGS)
+	@tmp=$$(mktemp -d -t k3-sppp-test-XXXXXX); \
+	TMPDIR=$$tmp $(VPY) -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; \
+	else echo "make test: temporary files kept in $$tmp"; fi; exit $$rc
 
 lint: setup
 	$(VPY) -m ruff check .

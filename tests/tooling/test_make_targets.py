@@ -110,6 +110,26 @@ def test_make_apply_with_an_older_python_names_its_version(fresh_clone, tmp_path
     assert not (fresh_clone / ".venv").exists()
 
 
+def test_make_apply_on_a_full_disk_says_so_before_pip(fresh_clone):
+    """Where .venv cannot fit, no venv is made and pip never starts: the
+    message names the free space, the need and the directory."""
+    need = shutil.disk_usage(fresh_clone).free // 2**30 + 100
+    result = make(
+        "apply",
+        f"PYTHON={sys.executable}",
+        f"SETUP_FREE_GIB={need}",
+        cwd=fresh_clone,
+    )
+    assert result.returncode != 0
+    assert re.fullmatch(
+        rf"make setup: \d+ GiB free on the disk of {re.escape(str(fresh_clone))}; "
+        r"\.venv \(vLLM 0\.33\.0, torch 2\.14\.0 with its CUDA libraries\) needs "
+        rf"about {need} GiB\. Free space there, or clone k3-sppp onto a larger disk",
+        result.stderr.splitlines()[0],
+    )
+    assert not (fresh_clone / ".venv").exists()
+
+
 def apply_py_answering(tmp_path: Path, code: int) -> str:
     """A directory whose python3 runs any apply.py as one that prints a state
     and exits ``code``."""
@@ -151,3 +171,32 @@ def test_make_help_names_every_target_that_vllm_points(tmp_path):
     text = make("help").stdout
     paragraph = text[text.index("VLLM=/path") :].split(" instead of ")[0]
     assert [t for t in pointed if t not in paragraph] == []
+
+
+@pytest.mark.parametrize("code", [0, 1])
+def test_make_test_removes_its_temporary_directory_only_after_a_pass(
+    fresh_clone, tmp_path, code
+):
+    """`make test` gives pytest a TMPDIR of its own: gone after a passing run,
+    kept and named after a failing one (the ranks' output is in it)."""
+    seen = tmp_path / "tmpdir-seen"
+    venv_bin = fresh_clone / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    pytest_stub = venv_bin / "python"
+    pytest_stub.write_text(
+        f'#!/bin/sh\necho "$TMPDIR" > {seen}\ntouch "$TMPDIR/rank.log"\nexit {code}\n'
+    )
+    pytest_stub.chmod(pytest_stub.stat().st_mode | stat.S_IEXEC)
+    (fresh_clone / ".venv" / ".k3-sppp-setup").touch()
+    (fresh_clone / "apply.py").write_text("")
+    result = make("test", cwd=fresh_clone)
+    tmpdir = Path(seen.read_text().strip())
+    assert tmpdir.name.startswith("k3-sppp-test-")
+    if code == 0:
+        assert result.returncode == 0
+        assert not tmpdir.exists()
+    else:
+        assert result.returncode != 0
+        assert f"make test: temporary files kept in {tmpdir}" in result.stdout
+        assert (tmpdir / "rank.log").exists()
+        shutil.rmtree(tmpdir)
