@@ -121,13 +121,14 @@ check:
 # What vLLM, torch and the tests write to TMPDIR (ZeroMQ sockets, torchrun's
 # logs, inductor's cache, pytest's tmp_path, the ranks' output) goes to one
 # directory per run: removed after a passing run, kept and named after a
-# failing one, so repeated runs do not fill a node's /tmp.
+# failing one, so repeated runs do not fill a node's /tmp. Open to all, as
+# /tmp is: the tooling tests run apply.py as another user on trees in it.
 test: setup
 	@$(APPLY) status > /dev/null; if [ $$? -eq 6 ]; then \
 		echo "make test: .venv has another revision of the patch set; replacing it"; \
 		$(APPLY) revert; fi
 	$(APPLY) apply
-	@tmp=$$(mktemp -d -t k3-sppp-test-XXXXXX); \
+	@tmp=$$(mktemp -d -t k3-sppp-test-XXXXXX) && chmod 755 "$$tmp"; \
 	TMPDIR=$$tmp $(VPY) -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; \
 	else echo "make test: temporary files kept in $$tmp"; fi; exit $$rc
