@@ -23,6 +23,7 @@ from tests.distributed.conftest import topologies
 from tests.sppp_testbed.tiny_k3 import build_model, scenario_config, stand_ins
 from vllm.config import CompilationMode, CUDAGraphMode, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+from vllm.model_executor.models.interfaces import EagleModelMixin
 from vllm.platforms import current_platform
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.worker import pp_hand_off_agreement
@@ -50,6 +51,9 @@ class StageFlags:
     runner: str = "legacy"  # or "v2"
     enable_jit_warmup: bool = False
     num_speculative_tokens: int = 0
+    # False: the model captures its taps from what it received and relays
+    # none across stages, as Qwen3-MoE and most EAGLE-3 targets in 0.33.0.
+    relays_aux: bool = True
     # The stage cannot compute its settings (a planted error).
     broken: bool = False
 
@@ -70,6 +74,12 @@ def runner_kind(flags: StageFlags):
             del os.environ["VLLM_USE_V2_MODEL_RUNNER"]
         else:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = saved
+
+
+def relays_aux(model: torch.nn.Module, relays: bool) -> None:
+    for module in model.modules():
+        if isinstance(module, EagleModelMixin):
+            module.supports_aux_hidden_states_over_pp = relays
 
 
 def stage_runner(config, flags: StageFlags) -> types.SimpleNamespace:
@@ -128,6 +138,7 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
         ):
             model = build_model(config)
             model._set_aux_hidden_state_layers(flags.aux_layers)
+            relays_aux(model, flags.relays_aux)
             if flags.broken:
 
                 def broken() -> dict[str, bool]:
@@ -306,10 +317,11 @@ def test_a_stage_with_another_moe_backend_fails_on_every_rank(pool):
 @topologies((2, 2))
 def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
     """Stage 0 captures taps 0 and 2 and sends two slots; a stage 1 started
-    with taps (0, 3) expects one."""
-    other = dataclasses.replace(SP, aux_layers=(0, 3))
+    with taps (0, 3) expects one. The V2 runner sets taps on every stage."""
+    v2 = dataclasses.replace(SP, runner="v2")
+    other = dataclasses.replace(v2, aux_layers=(0, 3))
     errors = assert_refused_everywhere(
-        run_stages(pool, SP, other),
+        run_stages(pool, v2, other),
         "aux_hidden_state_slots: stage 0 sends 2, stage 1 expects 1",
         "aux_hidden_state_layers: stage 0=(0, 2, 3), stage 1=(0, 3)",
         "--speculative-config (eagle_aux_hidden_state_layer_ids), "
@@ -322,11 +334,26 @@ def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
 @topologies((2, 2))
 def test_aux_layers_set_on_the_last_stage_only_start(pool):
     """The legacy runner sets aux layers on the last stage only; with every
-    tap on that stage nothing crosses the boundary, as in 0.33.0."""
+    tap on that stage nothing crosses the boundary, as in 0.33.0, and the
+    stages' different layers are no news: no warning."""
     first = dataclasses.replace(SP, aux_layers=())
     last = dataclasses.replace(SP, aux_layers=(3,))
-    assert_started_everywhere(
-        run_stages(pool, first, last), "aux_hidden_state_layers: stage 0=()"
+    assert_started_everywhere(run_stages(pool, first, last))
+
+
+@topologies((2, 2))
+def test_a_model_that_relays_no_taps_starts_with_one_at_the_boundary(pool):
+    """A model that captures its taps from what it received (Qwen3-MoE in
+    0.33.0) takes tap 2 at the last stage's first layer itself under the
+    legacy runner: 0.33.0 runs it, and so does the series, without a word.
+    A model that relays taps would wait for that one, and is refused."""
+    first = dataclasses.replace(NO_SP, aux_layers=(), relays_aux=False)
+    last = dataclasses.replace(NO_SP, aux_layers=(2, 3), relays_aux=False)
+    assert_started_everywhere(run_stages(pool, first, last))
+    relaying = [dataclasses.replace(f, relays_aux=True) for f in (first, last)]
+    assert_refused_everywhere(
+        run_stages(pool, *relaying),
+        "aux_hidden_state_slots: stage 0 sends 0, stage 1 expects 1",
     )
 
 
@@ -418,7 +445,7 @@ def test_nodes_with_other_num_speculative_tokens_are_refused(pool):
     )
 
 
-def last_stage_taps(layers: tuple[int, ...]) -> str | None:
+def last_stage_taps(layers: tuple[int, ...], relays: bool = True) -> str | None:
     """What the worker's check says when the V1 runner set these aux layers
     on the last stage (and only there)."""
     config = scenario_config(
@@ -428,6 +455,7 @@ def last_stage_taps(layers: tuple[int, ...]) -> str | None:
         model = build_model(config)
         if get_pp_group().is_last_rank:
             model._set_aux_hidden_state_layers(layers)
+        relays_aux(model, relays)
         try:
             check_aux_layers_on_the_last_stage(model)
         except ValueError as error:
@@ -452,3 +480,12 @@ def test_v1_runner_taps_before_the_last_stage_are_refused_naming_the_options(poo
             "above 2 or another VLLM_PP_LAYER_PARTITION."
         ), error
     assert pool.run(last_stage_taps, (3,), timeout=BOUND_S) == [None] * pool.world
+
+
+@topologies((2, 2))
+def test_v1_runner_taps_from_a_model_that_relays_none_start(pool):
+    """Such a model captures tap 2 at the last stage's first layer from what
+    it received and never asks for tap 0: 0.33.0 loads it, so does the
+    series."""
+    results = pool.run(last_stage_taps, (0, 2, 3), False, timeout=BOUND_S)
+    assert results == [None] * pool.world

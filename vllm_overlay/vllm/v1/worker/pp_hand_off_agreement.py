@@ -81,8 +81,8 @@ REFUSED = ("sequence_parallel", "all_gather_tensors")
 
 # Shown where they differ, never refused on their own: the hand-off depends on
 # them only through the rows each stage pads a batch to, which is compared
-# itself ("batch_padding"); the legacy runner sets aux layers on the last
-# stage only, and each stage's EP group is its own.
+# itself ("batch_padding"), or through the aux slots, compared per boundary;
+# each stage's EP group is its own.
 SHOWN = (
     "cudagraph_mode",
     "cudagraph_capture_sizes",
@@ -207,23 +207,26 @@ class RunnerPadding:
 
 
 def aux_hidden_state_layers(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
-    """The model's aux hidden-state layers and the layer range of this stage."""
+    """The aux hidden-state layers that cross this stage's boundaries, and
+    its layer range. A model that does not relay taps across stages
+    (``supports_aux_hidden_states_over_pp``) captures its first one from what
+    it received and sends none, so none cross."""
     for module in model.modules():
         if isinstance(module, EagleModelMixin):
-            return (
-                tuple(module.aux_hidden_state_layers),
-                module.start_layer,
-                getattr(module, "end_layer", module.start_layer),
-            )
+            end = getattr(module, "end_layer", module.start_layer)
+            if not module.supports_aux_hidden_states_over_pp:
+                return (), module.start_layer, end
+            return tuple(module.aux_hidden_state_layers), module.start_layer, end
     return (), 0, 0
 
 
 def check_aux_layers_on_the_last_stage(model: nn.Module) -> None:
     """The V1 model runner sets aux layers on the last PP stage only, so no
-    earlier stage captures or relays a tap: a last stage whose taps start at
-    or before its first layer would wait for aux states nobody sends and fail
-    at its first forward ("Missing aux_hidden_states_0"), the memory
-    profiling run. The worker asks once the V1 runner loaded the model."""
+    earlier stage captures or relays a tap: a last stage that relays taps and
+    expects some at or before its first layer would wait for aux states
+    nobody sends and fail at its first forward ("Missing
+    aux_hidden_states_0"), the memory profiling run. The worker asks once the
+    V1 runner loaded the model."""
     pp_group = get_pp_group()
     if pp_group.is_first_rank:
         return
@@ -287,7 +290,8 @@ def pp_hand_off_settings(
         "enforce_eager": vllm_config.model_config.enforce_eager,
         "moe_backend": vllm_config.kernel_config.moe_backend,
         "enable_expert_parallel": vllm_config.parallel_config.enable_expert_parallel,
-        "aux_hidden_state_layers": layers,
+        # The legacy runner sets them on the last stage only.
+        "aux_hidden_state_layers": layers if vllm_config.use_v2_model_runner else None,
     }
 
 

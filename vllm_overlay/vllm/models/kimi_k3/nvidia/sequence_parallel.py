@@ -36,8 +36,10 @@ def use_kimi_k3_sequence_parallel(vllm_config: VllmConfig) -> bool:
 
     DeepGEMM MegaMoE (and, without PP, DP attention) consume token shards,
     which needs EP and more than one TP rank. Across pipeline stages only
-    MegaMoE runs sequence parallel: other backends keep 0.33.0's replicated
-    layout, whose dense and shared-expert weights and traffic are proven.
+    MegaMoE runs sequence parallel, and not with micro-batches (DBO,
+    ``--ubatch-size``): they slice stage hand-offs by token position, which
+    shards do not follow. Those keep 0.33.0's replicated layout, as do other
+    backends, whose dense and shared-expert weights and traffic are proven.
     """
     parallel_config = vllm_config.parallel_config
     moe_backend = vllm_config.kernel_config.moe_backend
@@ -51,14 +53,14 @@ def use_kimi_k3_sequence_parallel(vllm_config: VllmConfig) -> bool:
         moe_backend == "deep_gemm_mega_moe" or (pp_size == 1 and data_parallel)
     )
     if enabled and pp_size > 1 and parallel_config.use_ubatching:
-        raise ValueError(
-            "Kimi-K3 sequence parallelism across pipeline stages (MoE backend "
-            f"{moe_backend}, PP={pp_size}) cannot split a batch into "
-            "micro-batches: they slice stage hand-offs by token position, "
-            "which sequence-parallel shards do not follow. Drop --enable-dbo "
-            "and --ubatch-size, or use another --kernel-config moe_backend."
+        logger.info_once(
+            "Kimi-K3 sequence parallelism off at PP=%d with micro-batches "
+            "(--enable-dbo, --ubatch-size): they slice stage hand-offs by "
+            "token position, which sequence-parallel shards do not follow.",
+            pp_size,
         )
-    if enabled:
+        enabled = False
+    elif enabled:
         logger.info_once(
             "Kimi-K3 sequence parallelism enabled (TP=%d, PP=%d, MoE backend=%s).",
             parallel_config.tensor_parallel_size,
