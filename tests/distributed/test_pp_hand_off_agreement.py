@@ -56,6 +56,9 @@ class StageFlags:
     relays_aux: bool = True
     # The stage cannot compute its settings (a planted error).
     broken: bool = False
+    # The stage's runner dispatches with a signature of its own (an
+    # out-of-tree dispatcher): its padding cannot be asked.
+    foreign_dispatch: bool = False
 
 
 SP = StageFlags()
@@ -155,8 +158,11 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
                         uses_dynamic_speculative_decoding=lambda: False,
                     ),
                 )
+            runner = stage_runner(config, flags)
+            if flags.foreign_dispatch:
+                runner.cudagraph_dispatcher.dispatch = lambda batch_descriptor: None
             try:
-                check_pp_hand_off_agreement(config, model, stage_runner(config, flags))
+                check_pp_hand_off_agreement(config, model, runner)
             except RuntimeError as error:
                 return str(error), warnings
     finally:
@@ -405,6 +411,27 @@ def test_a_stage_that_cannot_answer_fails_every_stage_at_once(pool):
             "Pipeline stages could not compare their hand-off settings: stage 1: "
             "RuntimeError: planted: this stage cannot answer"
         ), error
+
+
+@topologies((2, 2))
+def test_a_runner_whose_padding_cannot_be_asked_starts_only_without_sp(pool):
+    """0.33.0 compares nothing, so without SP such a runner starts, warning
+    on every stage that padding went uncompared; under SP the rows depend
+    on that padding, so every stage refuses."""
+    for base, refused in ((NO_SP, False), (SP, True)):
+        results = run_stages(
+            pool, base, dataclasses.replace(base, foreign_dispatch=True)
+        )
+        part = (
+            "Pipeline stages could not compare their hand-off settings: stage 1: "
+            "TypeError: "
+        )
+        if refused:
+            assert all(error and error.startswith(part) for error, _ in results), (
+                results
+            )
+        else:
+            assert_started_everywhere(results, part, "; batch padding not compared.")
 
 
 # Speculative decoding: the drafter lives on the last stage.
