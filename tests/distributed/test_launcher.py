@@ -50,8 +50,6 @@ def test_an_exception_fails_the_case_naming_rank_and_traceback(pool):
 
 def test_a_hung_collective_fails_within_the_deadline(pool):
     # Rank 1 answers at once; the deadline is all this test waits.
-    with pytest.raises(
-        RankFailure, match=r"no answer from rank\(s\) \[0\] within 4 s"
-    ):
+    with pytest.raises(RankFailure, match=r"no answer from rank\(s\) \[0\] within 4 s"):
         pool.run(gather_without_rank, 1, timeout=4)
     assert pool.run(rank_layout) == [(0, 0, 0), (1, 1, 0)], "pool restarts"
