@@ -560,7 +560,7 @@ def test_verdict_is_beyond_the_spread_only_when_the_lead_exceeds_both_spreads(
     ):
         result = with_latencies(decode_result(point, 2.0), point, waves)
         result["output_throughput"] = tput
-        found[arm][point] = result
+        found[arm][point] = [result]
     verdict = bench.verdict(sweep, point, found)
     assert (verdict["ahead"], verdict["next"]) == ("mega-sp", "fi-ep")
     assert verdict["lead_percent"] == pytest.approx(10.0)
@@ -669,6 +669,6 @@ def test_report_renders_the_decode_tables_verdict_and_plot(decode_sweep, capsys)
     spread = bench.wave_spread(saved, bench.Point(1024, 8, 512))
     assert verdicts[2] == [
         "1024", "8", "FI+EP", "missing", "only FI+EP measured",
-        "missing", f"{spread:.1f}%", "missing",
+        "missing", f"{spread:.1f}% / 1 run", "missing",
     ]  # fmt: skip
     assert (results / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
