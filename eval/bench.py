@@ -389,8 +389,8 @@ def run(args: argparse.Namespace) -> int:
         write_manifest(out, args, arm, sweep, points, version)
     if repeat > 1:
         print(
-            f"each point {repeat} times: every point once, then again "
-            f"({repeat} x the time above)",
+            f"each point {repeat} times, every point once and then again: "
+            f"{repeat} x the above",
             flush=True,
         )
     i, where = 0, arm.name
@@ -423,7 +423,7 @@ def run(args: argparse.Namespace) -> int:
             aside = f" (its partial result kept as {running.stem}.interrupted.json)"
         raise Interrupted(
             f"{where}: interrupted{aside}. Finished points are kept: run the "
-            "same command again to resume, finished points (and runs) are skipped"
+            "same command again to resume, finished points are skipped"
         ) from None
     return 0
 
@@ -444,7 +444,7 @@ def run_files(directory: Path, point: Point) -> list[Path]:
         if (match := numbered.fullmatch(path.name)) and int(match[1]) >= 2
     )
     first = directory / point.filename
-    return [first] * first.is_file() + [path for _, path in later]
+    return ([first] if first.is_file() else []) + [path for _, path in later]
 
 
 def load_results(results: Path) -> Found:
