@@ -855,9 +855,8 @@ def draw(ax, arms: dict, found: Found, points: list[Point], metric: str) -> None
             below.append(mean - min(figures))
             above.append(max(figures) - mean)
         if x:
-            ax.errorbar(
-                x, y, yerr=[below, above], marker="o", capsize=3, label=arm.label
-            )
+            # No caps: with one run a bar has no length and draws nothing.
+            ax.errorbar(x, y, yerr=[below, above], marker="o", label=arm.label)
     ax.set_xscale("log", base=2)
     ticks = [p.concurrency for p in points]
     ax.set_xticks(ticks, labels=[str(t) for t in ticks])
