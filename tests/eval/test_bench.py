@@ -369,6 +369,25 @@ def test_a_failed_second_run_keeps_the_first_and_a_rerun_resumes_run_two(tmp_pat
     assert run_one["total_token_throughput"] == 900.0
 
 
+def test_an_interrupted_second_run_is_set_aside_and_the_first_kept(tmp_path):
+    results = tmp_path / "results"
+    (results / "mega-sp").mkdir(parents=True)
+    point = bench.Point(128, 1)
+    saved = json.dumps(result_file(point, 900.0, 100.0))
+    (results / "mega-sp" / point.filename).write_text(saved)
+    with serving("Kimi-K3") as url:
+        stopping = fake_vllm(tmp_path, interrupt="128x1")
+        proc = sweep(results, url, stopping, "--repeat", "2", points="128x1")
+    assert proc.returncode == 130, proc.stderr
+    assert "in128-c1.run2.interrupted.json" in proc.stderr
+    assert sorted(path.name for path in (results / "mega-sp").iterdir()) == [
+        "in128-c1.json",
+        "in128-c1.run2.interrupted.json",
+        "manifest.json",
+    ]
+    assert (results / "mega-sp" / point.filename).read_text() == saved
+
+
 def test_points_outside_the_sweep_are_refused():
     with pytest.raises(bench.BenchError, match="128x2 is not in the sweep"):
         bench.parse_points("128x1,128x2")
