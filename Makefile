@@ -30,10 +30,10 @@
 #   make gsm8k-compare  table and paired verdict per arm [BASELINE=fi-ep]
 #   make bench          a throughput sweep against a running arm: ARM=
 #                       BASE_URL= MODEL= TOKENIZER= [SWEEP=prefill|decode|
-#                       mixed|all] [POINTS=128x1,8192x4]
-#                       [ALLOW_PREFIX_CACHING=1]
-#   make bench-report   per sweep: tables, verdicts, JSON summary and plots
-#                       from results/bench
+#                       mixed|all] [POINTS=128x1,8192x4] [REPEAT=N: every
+#                       point N times, N x the time] [ALLOW_PREFIX_CACHING=1]
+#   make bench-report   per sweep: tables (means over runs), verdicts, JSON
+#                       summary and plots from results/bench
 #   make setup          only the pinned .venv
 #
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
@@ -184,8 +184,8 @@ gsm8k-compare: setup
 bench: setup
 	$(VPY) -m eval.bench run --arm "$(ARM)" --base-url "$(BASE_URL)" \
 		--model "$(MODEL)" --tokenizer "$(TOKENIZER)" $(if $(SWEEP),--sweep "$(SWEEP)") \
-		$(if $(POINTS),--points "$(POINTS)") $(if $(VLLM),--target "$(VLLM)") \
-		$(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
+		$(if $(POINTS),--points "$(POINTS)") $(if $(REPEAT),--repeat "$(REPEAT)") \
+		$(if $(VLLM),--target "$(VLLM)") $(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
 
 bench-report: setup
 	$(VPY) -m eval.bench report

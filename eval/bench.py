@@ -18,17 +18,19 @@ max(4, concurrency) warm-ups, with ``--ignore-eos``.
 
 ``run`` runs ``vllm bench serve`` once per point (``bench_command``), saving
 its result (``--save-result``) under ``results/bench/<arm>/`` next to a
-manifest. Finished points are skipped, so a failed or interrupted sweep
-resumes; a point with failed requests stops the sweep and is kept as
-``*.failed.json``.
+manifest; ``--repeat N`` runs every point N times, all points once and then
+all again, run k >= 2 saved as ``<point>.run<k>.json``. Finished runs are
+skipped, so a failed or interrupted sweep resumes; a run with failed
+requests stops the sweep and is kept as ``*.failed.json``.
 
 ``report`` renders, per sweep, a table per metric in the pull request's
 format (one column per arm, MegaMoE+SP's deltas against each baseline), the
 request counts, a verdict per point, a JSON summary and PNG plots. Every
-metric is one ``vllm bench serve`` saved; a value it did not save is shown
-as missing, never as zero. Computed here are only the comparisons: deltas,
-leads, and the verdict's spread (``wave_spread``), from the per-request
-latencies the client saves.
+metric is one ``vllm bench serve`` saved, averaged over an arm's runs of the
+point; a value a run did not save is shown as missing, never as zero.
+Computed here are only the means and the comparisons: deltas, leads, and the
+verdict's spreads (``wave_spread`` from the per-request latencies the client
+saves, ``run_spread`` from its throughput in each run).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -68,6 +71,11 @@ class Point:
     def filename(self) -> str:
         out = "" if self.output_len == 1 else f"-out{self.output_len}"
         return f"in{self.input_len}{out}-c{self.concurrency}.json"
+
+    def run_filename(self, run: int) -> str:
+        """Run 1 keeps ``filename``, so results saved before repeats existed
+        stay the first run; run k >= 2 is ``<stem>.run<k>.json``."""
+        return self.filename if run == 1 else f"{self.filename[:-5]}.run{run}.json"
 
     @property
     def num_prompts(self) -> int:
@@ -139,11 +147,15 @@ SWEEPS = {
     )
 }
 VERDICT_RULE = (
-    "wave spread, per arm and point: (largest - smallest) / mean of the mean "
-    "end-to-end latencies of the three measured waves (concurrency requests "
-    "each, in the order sent), in percent; the arm ahead on the sweep's "
-    "throughput is ahead beyond the spread when its lead over the next arm "
-    "exceeds the two arms' wave spreads added"
+    "every figure is the mean over an arm's runs of the point; wave spread, "
+    "per arm and point: (largest - smallest) / mean of the mean end-to-end "
+    "latencies of the three measured waves (concurrency requests each, in the "
+    "order sent), in percent, averaged over the runs; run spread: (largest - "
+    "smallest) / mean of the sweep's throughput over the runs, in percent, "
+    "none with one run; an arm's spread is the larger of the two; the arm "
+    "ahead on the sweep's throughput is ahead beyond the spread when its lead "
+    "over the next arm exceeds the two arms' spreads added; an arm with one "
+    "run has its wave spread alone, its run-to-run variation unmeasured"
 )
 # Report columns beyond one per arm: (header, arm, against).
 DELTAS = (
@@ -198,9 +210,15 @@ def parse_points(text: str | None, sweep: Sweep = SWEEPS["prefill"]) -> list[Poi
 
 
 def bench_command(
-    point: Point, base_url: str, model: str, tokenizer: str, result_dir: Path
+    point: Point,
+    base_url: str,
+    model: str,
+    tokenizer: str,
+    result_dir: Path,
+    run: int = 1,
 ) -> list[str]:
-    """``vllm bench serve`` for one point, with the pull request's flags."""
+    """``vllm bench serve`` for one run of a point, with the pull request's
+    flags."""
     return [
         "vllm", "bench", "serve",
         "--backend", "openai-chat",
@@ -224,7 +242,7 @@ def bench_command(
         "--seed", "2026",
         "--save-result",
         "--result-dir", str(result_dir),
-        "--result-filename", point.filename,
+        "--result-filename", point.run_filename(run),
     ]  # fmt: skip
 
 
@@ -257,6 +275,7 @@ def write_manifest(
             "sweep": sweep.name,
             "served_vllm_version": version,
             "points": [str(p) for p in points],
+            "repeat": args.repeat,
             **provenance(args.target),
         }
     )
@@ -265,6 +284,11 @@ def write_manifest(
 
 def selected(args: argparse.Namespace) -> list[tuple[Sweep, list[Point]]]:
     """The sweeps and points to run, checked before any server is asked."""
+    if args.repeat < 1:
+        raise BenchError(
+            f"REPEAT={args.repeat} (--repeat): each point runs at least once; "
+            "set 1 (the default) or more, e.g. REPEAT=3"
+        )
     if not args.tokenizer:
         raise BenchError(
             "TOKENIZER= is empty: set it to the served model's directory or "
@@ -304,10 +328,12 @@ def describe(sweep: Sweep, points: list[Point]) -> str:
     )
 
 
-def run_point(args: argparse.Namespace, where: str, point: Point, out: Path) -> dict:
+def run_point(
+    args: argparse.Namespace, where: str, point: Point, out: Path, run: int
+) -> dict:
     """One ``vllm bench serve``: its saved result, or the sweep stops here."""
-    path = out / point.filename
-    command = bench_command(point, args.base_url, args.model, args.tokenizer, out)
+    path = out / point.run_filename(run)
+    command = bench_command(point, args.base_url, args.model, args.tokenizer, out, run)
     proc = subprocess.run([args.vllm, *command[1:]])
     if proc.returncode != 0 or not finished(path, point):
         if path.exists():
@@ -326,6 +352,20 @@ def run_point(args: argparse.Namespace, where: str, point: Point, out: Path) -> 
     return json.loads(path.read_text())
 
 
+def progress(
+    i: int, total: int, arm: str, point: Point, run_no: int, repeat: int
+) -> str:
+    """The progress line's head, e.g. ``[5/6] fi-ep run 2/2, input 1024,
+    output 512, concurrency 8``; the run is named when there is more than
+    one."""
+    runs = f" run {run_no}/{repeat}," if repeat > 1 else ""
+    output = "" if point.output_len == 1 else f", output {point.output_len}"
+    return (
+        f"[{i}/{total}] {arm}{runs} input {point.input_len}{output}, "
+        f"concurrency {point.concurrency}"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     arm = serve.get_arm(args.arm)
     plan = selected(args)
@@ -342,28 +382,38 @@ def run(args: argparse.Namespace) -> int:
         )
     out = args.results / arm.name
     out.mkdir(parents=True, exist_ok=True)
-    total = sum(len(points) for _, points in plan)
+    repeat = args.repeat
+    total = repeat * sum(len(points) for _, points in plan)
+    for sweep, points in plan:
+        print(describe(sweep, points), flush=True)
+        write_manifest(out, args, arm, sweep, points, version)
+    if repeat > 1:
+        print(
+            f"each point {repeat} times, every point once and then again: "
+            f"{repeat} x the above",
+            flush=True,
+        )
     i, where = 0, arm.name
-    running: Path | None = None  # the point's result file while it runs
+    running: Path | None = None  # the run's result file while it runs
     try:
-        for sweep, points in plan:
-            print(describe(sweep, points), flush=True)
-            write_manifest(out, args, arm, sweep, points, version)
-            for point in points:
-                i += 1
-                output = "" if point.output_len == 1 else f", output {point.output_len}"
-                where = (
-                    f"[{i}/{total}] {arm.name} input {point.input_len}{output}, "
-                    f"concurrency {point.concurrency}"
-                )
-                if finished(out / point.filename, point):
-                    print(f"{where}: done before, skipped", flush=True)
-                    continue
-                print(f"{where}: running ({point.num_prompts} requests)", flush=True)
-                running = out / point.filename
-                result = run_point(args, where, point, out)
-                running = None
-                print(f"{where}: {headline(point, result)}", flush=True)
+        # All points once, then all again: a machine that drifts shows as
+        # variation between runs instead of hiding inside one point's runs.
+        for run_no in range(1, repeat + 1):
+            for _, points in plan:
+                for point in points:
+                    i += 1
+                    where = progress(i, total, arm.name, point, run_no, repeat)
+                    path = out / point.run_filename(run_no)
+                    if finished(path, point):
+                        print(f"{where}: done before, skipped", flush=True)
+                        continue
+                    print(
+                        f"{where}: running ({point.num_prompts} requests)", flush=True
+                    )
+                    running = path
+                    result = run_point(args, where, point, out, run_no)
+                    running = None
+                    print(f"{where}: {headline(point, result)}", flush=True)
     except KeyboardInterrupt:
         # The client shares the terminal's Ctrl-C and may still save what it
         # measured: an interrupted point is never a finished one.
@@ -380,19 +430,34 @@ def run(args: argparse.Namespace) -> int:
 
 # -- report --------------------------------------------------------------
 
-Found = dict[str, dict[Point, dict]]  # arm -> point -> saved result
+Found = dict[str, dict[Point, list[dict]]]  # arm -> point -> saved runs
+
+
+def run_files(directory: Path, point: Point) -> list[Path]:
+    """The saved runs of a point, in run order (``Point.run_filename``);
+    ``*.failed.json`` and ``*.interrupted.json`` are not runs."""
+    stem = point.filename[:-5]
+    numbered = re.compile(re.escape(stem) + r"\.run([1-9][0-9]*)\.json")
+    later = sorted(
+        (int(match[1]), path)
+        for path in directory.glob(f"{stem}.run*.json")
+        if (match := numbered.fullmatch(path.name)) and int(match[1]) >= 2
+    )
+    first = directory / point.filename
+    return ([first] if first.is_file() else []) + [path for _, path in later]
 
 
 def load_results(results: Path) -> Found:
-    """Arm -> point -> saved result, for every finished point of any sweep."""
+    """Arm -> point -> saved runs, for every point of any sweep with one."""
     _, arms = serve.load_arms()
     found: Found = {}
     for name in arms:
         for sweep in SWEEPS.values():
             for point in sweep.points:
-                path = results / name / point.filename
-                if path.is_file():
-                    found.setdefault(name, {})[point] = json.loads(path.read_text())
+                if paths := run_files(results / name, point):
+                    found.setdefault(name, {})[point] = [
+                        json.loads(path.read_text()) for path in paths
+                    ]
     return found
 
 
@@ -432,40 +497,83 @@ def wave_spread(result: dict, point: Point) -> float | None:
     return 100 * (max(means) - min(means)) / average
 
 
+def mean_value(runs: list[dict], metric: str) -> float | None:
+    """The mean over the runs of the client's figure; None when a run did
+    not measure it (a mean over fewer runs would read as a mean over all)."""
+    figures = [value(result, metric) for result in runs]
+    if not figures or None in figures:
+        return None
+    return sum(figures) / len(figures)
+
+
+def mean_wave_spread(runs: list[dict], point: Point) -> float | None:
+    """The wave spread averaged over the runs; None when a run has none."""
+    spreads = [wave_spread(result, point) for result in runs]
+    if not spreads or None in spreads:
+        return None
+    return sum(spreads) / len(spreads)
+
+
+def run_spread(runs: list[dict], metric: str) -> float | None:
+    """How much the runs of one point differ, in percent: (largest -
+    smallest) / mean of their ``metric``. What the wave spread cannot see (a
+    server faster after one restart than another, a busier machine) shows
+    here. None with one run, or when a run did not measure ``metric``."""
+    figures = [value(result, metric) for result in runs]
+    if len(figures) < 2 or None in figures:
+        return None
+    average = sum(figures) / len(figures)
+    if average <= 0:
+        return None
+    return 100 * (max(figures) - min(figures)) / average
+
+
+def arm_spread(wave: float | None, between_runs: float | None) -> float | None:
+    """The spread a lead must clear for one arm: the larger of its wave and
+    run spreads, its wave spread alone with one run, unknown without one."""
+    if wave is None:
+        return None
+    return wave if between_runs is None else max(wave, between_runs)
+
+
 def verdict(sweep: Sweep, point: Point, found: Found) -> dict | None:
-    """The arm ahead on the sweep's throughput, its lead over the next arm,
-    and whether the lead exceeds the two arms' wave spreads added."""
+    """The arm ahead on the sweep's throughput (mean over its runs), its
+    lead over the next arm, and whether the lead exceeds the two arms'
+    spreads added (``arm_spread``)."""
     _, arms = serve.load_arms()
+    runs = {name: found[name][point] for name in arms if point in found.get(name, {})}
     measured = sorted(
         (
             (figure, name)
-            for name in arms
-            if (figure := value(found.get(name, {}).get(point, {}), sweep.throughput))
-            is not None
+            for name, saved in runs.items()
+            if (figure := mean_value(saved, sweep.throughput)) is not None
         ),
         reverse=True,
     )
     if not measured:
         return None
-    spreads = {
-        name: wave_spread(found[name][point], point)
-        for name in arms
-        if point in found.get(name, {})
+    waves = {name: mean_wave_spread(saved, point) for name, saved in runs.items()}
+    between = {
+        name: run_spread(saved, sweep.throughput) for name, saved in runs.items()
     }
+    spreads = {name: arm_spread(waves[name], between[name]) for name in runs}
     ahead = measured[0][1]
-    if len(measured) == 1:
-        return {"ahead": ahead, "next": None, "lead_percent": None,
-                "spread_percent": spreads, "beyond_spread": None}  # fmt: skip
-    nxt = measured[1][1]
-    lead = delta(measured[0][0], measured[1][0])
-    both = (spreads.get(ahead), spreads.get(nxt))
+    nxt = measured[1][1] if len(measured) > 1 else None
+    lead = None if nxt is None else delta(measured[0][0], measured[1][0])
+    both = (spreads[ahead], spreads.get(nxt))
     beyond = None if None in both or lead is None else lead > sum(both)
     return {
         "ahead": ahead,
         "next": nxt,
         "lead_percent": lead,
+        "runs": {name: len(saved) for name, saved in runs.items()},
+        "wave_spread_percent": waves,
+        "run_spread_percent": between,
         "spread_percent": spreads,
         "beyond_spread": beyond,
+        # Both arms compared ran more than once: the verdict saw their runs.
+        "run_to_run_measured": nxt is not None
+        and min(len(runs[ahead]), len(runs[nxt])) > 1,
     }
 
 
@@ -504,7 +612,8 @@ def render_metric(sweep: Sweep, metric: str, found: Found) -> list[str]:
     rows = []
     for point in sweep.points:
         values = {
-            name: value(found.get(name, {}).get(point, {}), metric) for name in arms
+            name: mean_value(found.get(name, {}).get(point, []), metric)
+            for name in arms
         }
         cells = [str(point.input_len), str(point.concurrency)]
         cells += [fmt(metric, values[name]) for name in arms]
@@ -515,22 +624,59 @@ def render_metric(sweep: Sweep, metric: str, found: Found) -> list[str]:
     return [f"#### {title}", "", *table(header, rows)]
 
 
+def total(runs: list[dict], key: str) -> int | None:
+    """A request count added over the runs; None when a run lacks it."""
+    counts = [result.get(key) for result in runs]
+    if not counts or not all(isinstance(n, int) for n in counts):
+        return None
+    return sum(counts)
+
+
 def render_requests(sweep: Sweep, found: Found) -> list[str]:
     _, arms = serve.load_arms()
     rows = []
     for point in sweep.points:
         cells = [str(point.input_len), str(point.concurrency)]
         for name in arms:
-            result = found.get(name, {}).get(point, {})
-            done, failed = result.get("completed"), result.get("failed")
+            runs = found.get(name, {}).get(point, [])
+            done, failed = total(runs, "completed"), total(runs, "failed")
             cells.append(
                 "missing"
                 if done is None or failed is None
-                else f"{done} of {point.num_prompts}, {failed} failed"
+                else f"{done} of {len(runs) * point.num_prompts}, {failed} failed"
             )
         rows.append(cells)
     header = ["Input", "Concurrency", *(arm.label for arm in arms.values())]
     return ["#### Requests", "", *table(header, rows)]
+
+
+def percent(figure: float | None) -> str:
+    return "unknown" if figure is None else f"{figure:.1f}%"
+
+
+def spread_cell(v: dict, name: str) -> str:
+    """One arm's wave and run spreads, e.g. ``3.1% / 8.4%``; ``1 run`` where
+    its run-to-run variation is unmeasured."""
+    if name not in v["runs"]:
+        return "missing"
+    between = (
+        "1 run" if v["runs"][name] == 1 else percent(v["run_spread_percent"][name])
+    )
+    return f"{percent(v['wave_spread_percent'][name])} / {between}"
+
+
+def verdict_words(v: dict, arms: dict) -> str:
+    """Beyond or within the spread, saying which arm ran once: its run-to-run
+    variation is then unmeasured and its spread the wave spread alone."""
+    if v["beyond_spread"] is None:
+        return "spread unknown"
+    side = "beyond" if v["beyond_spread"] else "within"
+    once = [name for name in (v["ahead"], v["next"]) if v["runs"][name] == 1]
+    if not once:
+        return f"{side} the spread"
+    if len(once) == 2:
+        return f"{side} the wave spread; 1 run"
+    return f"{side} the spread; 1 run of {arms[once[0]].label}"
 
 
 def render_verdicts(sweep: Sweep, found: Found) -> list[str]:
@@ -540,29 +686,18 @@ def render_verdicts(sweep: Sweep, found: Found) -> list[str]:
         v = verdict(sweep, point, found)
         if v is None:
             continue
-        spreads = [
-            "missing"
-            if name not in v["spread_percent"]
-            else "unknown"
-            if v["spread_percent"][name] is None
-            else f"{v['spread_percent'][name]:.1f}%"
-            for name in arms
-        ]
+        spreads = [spread_cell(v, name) for name in arms]
         if v["next"] is None:
             lead, word = "missing", f"only {arms[v['ahead']].label} measured"
         else:
             lead = f"{v['lead_percent']:+.1f}% over {arms[v['next']].label}"
-            word = {
-                True: "beyond the spread",
-                False: "within the spread",
-                None: "spread unknown",
-            }[v["beyond_spread"]]
+            word = verdict_words(v, arms)
         rows.append(
             [str(point.input_len), str(point.concurrency), arms[v["ahead"]].label,
              lead, word, *spreads]
         )  # fmt: skip
     header = ["Input", "Concurrency", "Ahead", "Lead", "Verdict"]
-    header += [f"{arm.label} wave spread" for arm in arms.values()]
+    header += [f"{arm.label} spread (wave / run)" for arm in arms.values()]
     title = METRICS[sweep.throughput][0].lower()
     return [f"#### Verdict on {title}", "", *table(header, rows, text=3)]
 
@@ -570,6 +705,7 @@ def render_verdicts(sweep: Sweep, found: Found) -> list[str]:
 def render_sweep(sweep: Sweep, found: Found) -> list[str]:
     output = sweep.points[0].output_len
     lines = [f"### {sweep.name} sweep: output {output} token{'s' * (output > 1)}", ""]
+    lines += [runs_line(sweep, found), ""]
     for metric in sweep.metrics:
         lines += render_metric(sweep, metric, found) + [""]
     lines += render_requests(sweep, found) + [""]
@@ -583,6 +719,31 @@ def render_sweep(sweep: Sweep, found: Found) -> list[str]:
     if missing:
         lines += [f"Missing points: {', '.join(missing)}.", ""]
     return lines
+
+
+def runs_line(sweep: Sweep, found: Found) -> str:
+    """Under a sweep's heading: figures are means over runs, and how many."""
+    _, arms = serve.load_arms()
+    counts = {
+        arm.label: sorted(
+            {len(found[name][p]) for p in sweep.points if p in found[name]}
+        )
+        for name, arm in arms.items()
+        if any(p in found.get(name, {}) for p in sweep.points)
+    }
+    every = {n for arm_counts in counts.values() for n in arm_counts}
+    if len(every) == 1:
+        n = every.pop()
+        runs = f"{n} run{'s' * (n > 1)} each"
+    else:
+        runs = "runs: " + ", ".join(
+            f"{label} {c[0]}" if len(c) == 1 else f"{label} {c[0]}-{c[-1]}"
+            for label, c in counts.items()
+        )
+    return (
+        "Each figure is the mean over an arm's runs of the point "
+        f"({runs}; make bench REPEAT=N runs each point N times)."
+    )
 
 
 def ran(sweep: Sweep, found: Found) -> bool:
@@ -603,21 +764,23 @@ def summary(found: Found) -> dict:
                     "concurrency": point.concurrency,
                     **{
                         arm: {
-                            **{m: value(found[arm][point], m) for m in sweep.metrics},
-                            "completed": found[arm][point].get("completed"),
-                            "failed": found[arm][point].get("failed"),
-                            "wave_spread_percent": wave_spread(
-                                found[arm][point], point
+                            **{m: mean_value(runs[point], m) for m in sweep.metrics},
+                            "runs": len(runs[point]),
+                            "completed": total(runs[point], "completed"),
+                            "failed": total(runs[point], "failed"),
+                            "wave_spread_percent": mean_wave_spread(runs[point], point),
+                            "run_spread_percent": run_spread(
+                                runs[point], sweep.throughput
                             ),
                         }
-                        for arm in found
-                        if point in found[arm]
+                        for arm, runs in found.items()
+                        if point in runs
                     },
                     "deltas_percent": {
                         name: {
                             m: delta(
-                                value(found.get(arm, {}).get(point, {}), m),
-                                value(found.get(against, {}).get(point, {}), m),
+                                mean_value(found.get(arm, {}).get(point, []), m),
+                                mean_value(found.get(against, {}).get(point, []), m),
                             )
                             for m in sweep.metrics
                         }
@@ -678,15 +841,22 @@ def plot_sweep(sweep: Sweep, found: Found, out: Path) -> Path:
 
 
 def draw(ax, arms: dict, found: Found, points: list[Point], metric: str) -> None:
-    """A line per arm over concurrency; a missing value is left out, not 0."""
+    """A line per arm over concurrency through the means over its runs, a bar
+    from the smallest to the largest run; a missing value is left out, not 0."""
     for name, arm in arms.items():
-        measured = [
-            (p.concurrency, figure)
-            for p in points
-            if (figure := value(found.get(name, {}).get(p, {}), metric)) is not None
-        ]
-        if measured:
-            ax.plot(*zip(*measured, strict=True), marker="o", label=arm.label)
+        x, y, below, above = [], [], [], []
+        for p in points:
+            runs = found.get(name, {}).get(p, [])
+            if (mean := mean_value(runs, metric)) is None:
+                continue
+            figures = [value(result, metric) for result in runs]
+            x.append(p.concurrency)
+            y.append(mean)
+            below.append(mean - min(figures))
+            above.append(max(figures) - mean)
+        if x:
+            # No caps: with one run a bar has no length and draws nothing.
+            ax.errorbar(x, y, yerr=[below, above], marker="o", label=arm.label)
     ax.set_xscale("log", base=2)
     ticks = [p.concurrency for p in points]
     ax.set_xticks(ticks, labels=[str(t) for t in ticks])
@@ -757,6 +927,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     run_parser.add_argument(
         "--points", help="a subset of one sweep's points, e.g. 128x1,8192x4"
+    )
+    run_parser.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run every point N times, all points once and then again "
+        "(default: 1); the report averages the runs and weighs their spread",
     )
     run_parser.add_argument(
         "--allow-prefix-caching",

@@ -314,6 +314,80 @@ def test_prefix_caching_is_refused_unless_allowed(tmp_path, caching, message):
         assert allowed.returncode == 0, allowed.stderr
 
 
+def test_repeats_run_every_point_once_then_again_run_k_in_its_own_file(tmp_path):
+    results = tmp_path / "results"
+    with serving("Kimi-K3") as url:
+        proc = sweep(results, url, fake_vllm(tmp_path), "--repeat", "2",
+                     points="128x1,128x8")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "calls.log").read_text().split() == ["128x1", "128x8"] * 2
+    assert "[3/4] mega-sp run 2/2, input 128, concurrency 1: running" in proc.stdout
+    assert sorted(path.name for path in (results / "mega-sp").iterdir()) == [
+        "in128-c1.json",
+        "in128-c1.run2.json",
+        "in128-c8.json",
+        "in128-c8.run2.json",
+        "manifest.json",
+    ]
+    manifest = json.loads((results / "mega-sp" / "manifest.json").read_text())
+    assert manifest["runs"][0]["repeat"] == 2
+
+
+def test_a_failed_second_run_keeps_the_first_and_a_rerun_resumes_run_two(tmp_path):
+    """Results saved before repeats existed are run 1: with --repeat 2 they
+    are skipped and only run 2 is measured, a failure set aside per run."""
+    results = tmp_path / "results"
+    (results / "mega-sp").mkdir(parents=True)
+    for point in bench.parse_points("128x1,128x8"):
+        saved = json.dumps(result_file(point, 900.0, 100.0))
+        (results / "mega-sp" / point.filename).write_text(saved)
+    with serving("Kimi-K3") as url:
+        first = sweep(results, url, fake_vllm(tmp_path, fail="128x8"),
+                      "--repeat", "2", points="128x1,128x8")  # fmt: skip
+        assert first.returncode == 1
+        assert "[1/4] mega-sp run 1/2, input 128, concurrency 1: done before" in (
+            first.stdout
+        )
+        assert "(result kept as in128-c8.run2.failed.json)" in first.stderr
+        second = sweep(results, url, fake_vllm(tmp_path), "--repeat", "2",
+                       points="128x1,128x8")  # fmt: skip
+        assert second.returncode == 0, second.stderr
+    assert "[3/4] mega-sp run 2/2, input 128, concurrency 1: done before" in (
+        second.stdout
+    )
+    assert (tmp_path / "calls.log").read_text().split() == ["128x1", "128x8", "128x8"]
+    kept = sorted(path.name for path in (results / "mega-sp").iterdir())
+    assert kept == [
+        "in128-c1.json",
+        "in128-c1.run2.json",
+        "in128-c8.json",
+        "in128-c8.run2.failed.json",
+        "in128-c8.run2.json",
+        "manifest.json",
+    ]
+    run_one = json.loads((results / "mega-sp" / "in128-c8.json").read_text())
+    assert run_one["total_token_throughput"] == 900.0
+
+
+def test_an_interrupted_second_run_is_set_aside_and_the_first_kept(tmp_path):
+    results = tmp_path / "results"
+    (results / "mega-sp").mkdir(parents=True)
+    point = bench.Point(128, 1)
+    saved = json.dumps(result_file(point, 900.0, 100.0))
+    (results / "mega-sp" / point.filename).write_text(saved)
+    with serving("Kimi-K3") as url:
+        stopping = fake_vllm(tmp_path, interrupt="128x1")
+        proc = sweep(results, url, stopping, "--repeat", "2", points="128x1")
+    assert proc.returncode == 130, proc.stderr
+    assert "in128-c1.run2.interrupted.json" in proc.stderr
+    assert sorted(path.name for path in (results / "mega-sp").iterdir()) == [
+        "in128-c1.json",
+        "in128-c1.run2.interrupted.json",
+        "manifest.json",
+    ]
+    assert (results / "mega-sp" / point.filename).read_text() == saved
+
+
 def test_points_outside_the_sweep_are_refused():
     with pytest.raises(bench.BenchError, match="128x2 is not in the sweep"):
         bench.parse_points("128x1,128x2")
@@ -445,8 +519,12 @@ def run_args(*extra: str) -> list[str]:
             ["--tokenizer", "/models/Kimi-K3", "--sweep", "all", "--points", "128x1"],
             "POINTS picks points of one sweep",
         ),
+        (
+            ["--tokenizer", "/models/Kimi-K3", "--repeat", "0"],
+            "REPEAT=0 (--repeat): each point runs at least once",
+        ),
     ],
-    ids=["no tokenizer", "points with all sweeps"],
+    ids=["no tokenizer", "points with all sweeps", "no run"],
 )
 def test_refused_before_the_server_is_contacted(monkeypatch, capsys, extra, message):
     def contacted(*args):
@@ -462,8 +540,9 @@ def test_refused_before_the_server_is_contacted(monkeypatch, capsys, extra, mess
     [
         ([], "bench: TOKENIZER= is empty"),
         (["TOKENIZER=/models/Kimi-K3", "SWEEP=all", "POINTS=128x1"], "bench: POINTS"),
+        (["TOKENIZER=/models/Kimi-K3", "REPEAT=0"], "bench: REPEAT=0"),
     ],
-    ids=["no tokenizer", "points with all sweeps"],
+    ids=["no tokenizer", "points with all sweeps", "no run"],
 )
 def test_make_bench_says_what_is_wrong_before_contacting_the_server(make_vars, message):
     """Nothing listens on port 9: a contacted server would fail otherwise."""
@@ -560,11 +639,131 @@ def test_verdict_is_beyond_the_spread_only_when_the_lead_exceeds_both_spreads(
     ):
         result = with_latencies(decode_result(point, 2.0), point, waves)
         result["output_throughput"] = tput
-        found[arm][point] = result
+        found[arm][point] = [result]
     verdict = bench.verdict(sweep, point, found)
     assert (verdict["ahead"], verdict["next"]) == ("mega-sp", "fi-ep")
     assert verdict["lead_percent"] == pytest.approx(10.0)
     assert verdict["beyond_spread"] is beyond
+
+
+# -- repeats: means over runs and the run spread --------------------------
+
+
+def decode_runs(point: bench.Point, throughputs: list[float], waves: list[float]):
+    """One saved result per throughput, each with the same waves."""
+    runs = []
+    for tput in throughputs:
+        result = with_latencies(decode_result(point, 2.0), point, waves)
+        result["output_throughput"] = tput
+        runs.append(result)
+    return runs
+
+
+def test_run_spread_is_the_range_of_the_runs_throughput_over_their_mean():
+    point = bench.Point(1024, 8, 512)
+    runs = decode_runs(point, [100.0, 120.0], [1.0, 1.0, 1.0])
+    spread = bench.run_spread(runs, "output_throughput")
+    assert spread == pytest.approx(100 * 20 / 110)
+    assert round(spread, 1) == 18.2
+    assert bench.run_spread(runs[:1], "output_throughput") is None
+
+
+@pytest.mark.parametrize(
+    ("mega_runs", "beyond"),
+    [
+        ([1035.0, 1265.0], False),  # run spread 20%: 15% lead within
+        ([1140.0, 1160.0], True),  # run spread 1.7%: beyond
+    ],
+)
+def test_a_lead_must_also_clear_the_run_spread(mega_runs, beyond):
+    """A 15% lead is beyond two wave spreads of about 1%, and within the
+    spread when the leading arm's two runs differ by 20%."""
+    sweep, point = bench.SWEEPS["decode"], bench.Point(1024, 8, 512)
+    found = {
+        "mega-sp": {point: decode_runs(point, mega_runs, [1.0, 1.01, 1.0])},
+        "fi-ep": {point: decode_runs(point, [1000.0, 1000.0], [1.0, 1.0, 1.01])},
+    }
+    verdict = bench.verdict(sweep, point, found)
+    assert verdict["lead_percent"] == pytest.approx(15.0)
+    assert verdict["wave_spread_percent"]["mega-sp"] < 1.1
+    spread = 100 * (mega_runs[1] - mega_runs[0]) / 1150
+    assert verdict["spread_percent"]["mega-sp"] == pytest.approx(spread)
+    assert verdict["beyond_spread"] is beyond
+    assert verdict["run_to_run_measured"] is True
+
+
+@pytest.mark.parametrize(
+    ("fi_ep_runs", "words", "fi_ep_spread"),
+    [
+        (1, "beyond the wave spread; 1 run", "1.0% / 1 run"),
+        (2, "beyond the spread; 1 run of MegaMoE+SP", "1.0% / 0.0%"),
+    ],
+)
+def test_one_run_says_the_run_to_run_variation_is_unmeasured(
+    fi_ep_runs, words, fi_ep_spread
+):
+    sweep, point = bench.SWEEPS["decode"], bench.Point(1024, 8, 512)
+    found = {
+        "mega-sp": {point: decode_runs(point, [1150.0], [1.0, 1.0, 1.0])},
+        "fi-ep": {point: decode_runs(point, [1000.0] * fi_ep_runs, [1.0, 1.0, 1.01])},
+    }
+    rendered = "\n".join(bench.render_verdicts(sweep, found))
+    row = markdown_rows(rendered, "Verdict on output token throughput")[1]
+    assert row[2:] == [
+        "MegaMoE+SP", "+15.0% over FI+EP", words, "missing", fi_ep_spread,
+        "0.0% / 1 run",
+    ]  # fmt: skip
+    assert bench.verdict(sweep, point, found)["run_to_run_measured"] is False
+
+
+def test_plot_shows_the_mean_with_a_bar_from_the_smallest_to_the_largest_run():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    point = bench.Point(1024, 8, 512)
+    found = {"fi-ep": {point: decode_runs(point, [100.0, 120.0, 140.0], [1.0] * 3)}}
+    figure, ax = plt.subplots()
+    bench.draw(ax, bench.serve.load_arms()[1], found, [point], "output_throughput")
+    (drawn,) = ax.containers
+    line, _, (bars,) = drawn.lines
+    assert list(line.get_ydata()) == [120.0]
+    assert bars.get_segments()[0].tolist() == [[8.0, 100.0], [8.0, 140.0]]
+    plt.close(figure)
+
+
+def test_report_figures_are_means_over_each_arms_runs(tmp_path, capsys):
+    point = bench.Point(1024, 8, 512)
+    fi_ep = decode_runs(point, [100.0, 120.0], [1.0, 1.0, 1.0])
+    fi_ep[1]["mean_tpot_ms"] = 3.0  # 2.0 in the first run
+    saved = {
+        "fi-ep": fi_ep,
+        "mega-sp": decode_runs(point, [90.0], [1.0, 1.0, 1.0]),
+    }
+    for arm, runs in saved.items():
+        (tmp_path / arm).mkdir()
+        for run, result in enumerate(runs, 1):
+            path = tmp_path / arm / point.run_filename(run)
+            path.write_text(json.dumps(result))
+    (tmp_path / "fi-ep" / "in1024-out512-c8.run3.failed.json").write_text(
+        json.dumps(decode_runs(point, [1.0], [1.0, 1.0, 1.0])[0])
+    )
+    assert bench.main(["--results", str(tmp_path), "report"]) == 0
+    report = capsys.readouterr().out.split("### decode sweep")[1]
+    assert "(runs: FI+EP 2, MegaMoE+SP 1;" in report.split("####")[0]
+    throughput = markdown_rows(report, "Output token throughput")[2]
+    assert throughput[2:5] == ["missing", "110", "90"]
+    assert markdown_rows(report, "Mean TPOT")[2][3] == "2.5 ms"
+    assert markdown_rows(report, "Requests")[2][3] == "48 of 48, 0 failed"
+    summary = json.loads((tmp_path / "report.json").read_text())
+    measured = next(p for p in summary["points"] if p["concurrency"] == 8)
+    assert measured["fi-ep"]["output_throughput"] == pytest.approx(110.0)
+    assert measured["fi-ep"]["runs"] == 2
+    assert measured["fi-ep"]["run_spread_percent"] == pytest.approx(100 * 20 / 110)
+    assert measured["mega-sp"]["run_spread_percent"] is None
+    assert measured["verdict"]["ahead"] == "fi-ep"
+    assert (tmp_path / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # -- the decode sweep end to end: one real run, several checks -----------
@@ -669,6 +868,6 @@ def test_report_renders_the_decode_tables_verdict_and_plot(decode_sweep, capsys)
     spread = bench.wave_spread(saved, bench.Point(1024, 8, 512))
     assert verdicts[2] == [
         "1024", "8", "FI+EP", "missing", "only FI+EP measured",
-        "missing", f"{spread:.1f}%", "missing",
+        "missing", f"{spread:.1f}% / 1 run", "missing",
     ]  # fmt: skip
     assert (results / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
