@@ -213,10 +213,12 @@ def aux_hidden_state_layers(model: nn.Module) -> tuple[tuple[int, ...], int, int
     it received and sends none, so none cross."""
     for module in model.modules():
         if isinstance(module, EagleModelMixin):
-            end = getattr(module, "end_layer", module.start_layer)
-            if not module.supports_aux_hidden_states_over_pp:
-                return (), module.start_layer, end
-            return tuple(module.aux_hidden_state_layers), module.start_layer, end
+            relays = module.supports_aux_hidden_states_over_pp
+            return (
+                tuple(module.aux_hidden_state_layers) if relays else (),
+                module.start_layer,
+                getattr(module, "end_layer", module.start_layer),
+            )
     return (), 0, 0
 
 
