@@ -1,0 +1,474 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The checks the GPU bundle runs on the lent GPU (``run.py CHECK``).
+
+- ``tiny-k3``: the test bed's tiny Kimi K3 (vLLM's own model classes, the
+  bed's stand-ins for KDA, MLA and MegaMoE) on CUDA, one rank, against the
+  same model on the CPU.
+- ``graphs``: vLLM's V2 ``ModelCudaGraphManager`` captures FULL CUDA graphs
+  of a middle PP stage whose model keeps its hand-off sequence parallel at a
+  declared TP size of 2, and every replay returns exactly the rows recorded
+  for its descriptor, holding what that step computed, while the runner's
+  hand-over writes into the same leading rows of the persistent buffers.
+- ``execute-model``: the V2 runner's ``execute_model`` (unbound, on a fake
+  runner that holds the real graph manager, stage model and buffers) on
+  FULL-graph replay steps, and a copy of it with the hand-over skipped on
+  the FULL path, which must fail.
+
+One process holds one GPU, so what a single GPU cannot run is replaced, and
+each check says so: the TP size is declared to the series' row rule
+(``get_tensor_model_parallel_world_size`` in the K3 SP module returns 2; no
+TP collective runs), and the PP position is declared to the graph manager
+(a middle stage; no PP send or receive runs). The tiny stage model has no
+attention layers, so no attention metadata is built for capture.
+
+The same functions run on the CPU in ``make test`` (tests/unit), where
+:func:`capture_graphs` replays by re-running the captured forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import textwrap
+import types
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from vllm.config import CompilationConfig, CUDAGraphMode, VllmConfig
+from vllm.models.common.ops.sequence_parallel import sp_shard_rows
+from vllm.sequence import IntermediateTensors
+
+DECLARED_TP = 2
+HIDDEN = 32
+CAPACITY = 64  # the persistent buffers' max_num_tokens
+CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
+# Real steps: token counts and what the dispatcher pads them to.
+STEP_TOKENS = [1, 3, 5, 8, 13, 32, 13]
+
+
+class ShardedStage(nn.Module):
+    """A middle PP stage whose hand-off is sequence parallel.
+
+    It narrows what the runner hands it with the series' own
+    ``narrow_to_sequence_parallel_rows`` (to ``ceil(N / TP)`` rows), mixes
+    every earlier local row into each row (a prefix sum, so a stale or
+    misplaced row changes all later ones) and returns as many rows. It
+    declares its hand-off as the K3 model does.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(31)
+        self.weight = nn.Parameter(
+            torch.randn(HIDDEN, HIDDEN, generator=generator) / HIDDEN**0.5
+        )
+
+    def get_pp_intermediate_tensor_all_gather_overrides(self) -> dict[str, bool]:
+        return {"hidden_states": False, "residual": False}
+
+    def get_pp_intermediate_tensor_num_rows(self, num_tokens: int) -> int:
+        return sp_shard_rows(num_tokens, DECLARED_TP)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> IntermediateTensors:
+        from vllm.models.kimi_k3.nvidia.sequence_parallel import (
+            narrow_to_sequence_parallel_rows,
+        )
+
+        assert intermediate_tensors is not None
+        local = narrow_to_sequence_parallel_rows(
+            intermediate_tensors, positions.shape[0]
+        )
+        hidden, residual = local["hidden_states"], local["residual"]
+        mixed = torch.cumsum(torch.tanh(hidden @ self.weight), dim=0)
+        return IntermediateTensors(
+            {"hidden_states": mixed + residual, "residual": residual + hidden}
+        )
+
+
+@contextlib.contextmanager
+def declared_topology() -> Iterator[None]:
+    """TP size 2 for the row rule, a middle PP stage for the graph manager:
+    what one GPU in one process cannot be, declared instead."""
+    from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    saved = (k3_sp.get_tensor_model_parallel_world_size, cudagraph_utils.get_pp_group)
+    k3_sp.get_tensor_model_parallel_world_size = lambda: DECLARED_TP
+    cudagraph_utils.get_pp_group = lambda: types.SimpleNamespace(
+        is_first_rank=False, is_last_rank=False
+    )
+    try:
+        yield
+    finally:
+        (k3_sp.get_tensor_model_parallel_world_size, cudagraph_utils.get_pp_group) = (
+            saved
+        )
+
+
+class _ReplayByRerun:
+    """A 'graph' for the CPU: replay re-runs the captured forward, which
+    reads and writes the same persistent buffers a CUDA graph would."""
+
+    def __init__(self, forward_fn: Callable[[CUDAGraphMode], None]) -> None:
+        self.forward_fn = forward_fn
+
+    def replay(self) -> None:
+        self.forward_fn(CUDAGraphMode.NONE)
+
+
+def _capture_by_rerun(manager, create_forward_fn, progress_bar_desc="") -> None:
+    for desc in manager._capture_descs[CUDAGraphMode.FULL]:
+        create_forward_fn(desc, warmup=True)(CUDAGraphMode.NONE)
+        forward_fn = create_forward_fn(desc, warmup=False)
+        forward_fn(CUDAGraphMode.NONE)
+        manager.graphs[desc] = _ReplayByRerun(forward_fn)
+    manager._graphs_captured = True
+
+
+class Stage(types.SimpleNamespace):
+    """What a check needs of one middle stage: the graph manager, the stage
+    model, the runner's persistent receive buffers and its input buffers."""
+
+
+def graph_config() -> VllmConfig:
+    config = VllmConfig(compilation_config=CompilationConfig(cudagraph_mode="FULL"))
+    # After VllmConfig's own resolution (which drops graphs on the CPU).
+    config.compilation_config.cudagraph_capture_sizes = list(CAPTURE_SIZES)
+    config.compilation_config.max_cudagraph_capture_size = max(CAPTURE_SIZES)
+    return config
+
+
+def capture_graphs(device: torch.device) -> Stage:
+    """Capture FULL graphs of :class:`ShardedStage` for every capture size
+    with vLLM's V2 graph manager (call under :func:`declared_topology`)."""
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    config = graph_config()
+    saved_pool = current_platform.get_global_graph_pool
+    if device.type != "cuda":  # no graph pool on the CPU
+        current_platform.get_global_graph_pool = lambda: None
+    try:
+        manager = cudagraph_utils.ModelCudaGraphManager(
+            config, device, CUDAGraphMode.FULL, decode_query_len=1
+        )
+    finally:
+        current_platform.get_global_graph_pool = saved_pool
+    model = ShardedStage().to(device)
+    buffers = IntermediateTensors(
+        {
+            key: torch.zeros(CAPACITY, HIDDEN, device=device)
+            for key in ("hidden_states", "residual")
+        }
+    )
+    input_buffers = types.SimpleNamespace(
+        input_ids=torch.zeros(CAPACITY, dtype=torch.long, device=device),
+        positions=torch.zeros(CAPACITY, dtype=torch.long, device=device),
+        is_padding=torch.zeros(CAPACITY, dtype=torch.bool, device=device),
+    )
+    # No attention layers in the stage: no metadata to build for capture.
+    saved_prepare = cudagraph_utils.prepare_inputs_to_capture
+    cudagraph_utils.prepare_inputs_to_capture = (
+        lambda *args, **kwargs: cudagraph_utils.AttentionState(None, {})
+    )
+    saved_capture = cudagraph_utils.CudaGraphManager.capture
+    if device.type != "cuda":
+        cudagraph_utils.CudaGraphManager.capture = _capture_by_rerun
+    try:
+        manager.capture(
+            model,
+            types.SimpleNamespace(prepare_dummy_inputs=lambda num_reqs, n: {}),
+            input_buffers,
+            buffers,
+            block_tables=None,
+            attn_groups=[],
+            kv_cache_config=types.SimpleNamespace(kv_cache_groups=[]),
+        )
+    finally:
+        cudagraph_utils.prepare_inputs_to_capture = saved_prepare
+        cudagraph_utils.CudaGraphManager.capture = saved_capture
+    return Stage(
+        config=config,
+        manager=manager,
+        model=model,
+        buffers=buffers,
+        input_buffers=input_buffers,
+        device=device,
+    )
+
+
+def received_shard(rows: int, seed: int, device: torch.device) -> IntermediateTensors:
+    generator = torch.Generator().manual_seed(seed)
+    return IntermediateTensors(
+        {
+            key: torch.randn(rows, HIDDEN, generator=generator).to(device)
+            for key in ("hidden_states", "residual")
+        }
+    )
+
+
+def eager_output(stage: Stage, received: IntermediateTensors, num_tokens: int):
+    """What the stage computes from ``received``, run eagerly, apart."""
+    copies = IntermediateTensors({k: v.clone() for k, v in received.items()})
+    positions = torch.zeros(num_tokens, dtype=torch.long, device=stage.device)
+    with torch.inference_mode():
+        return stage.model(None, positions, copies)
+
+
+def pointers(tensors: IntermediateTensors) -> dict[str, int]:
+    return {key: tensor.data_ptr() for key, tensor in tensors.items()}
+
+
+def same_values(a: IntermediateTensors, b: IntermediateTensors) -> bool:
+    return a.tensors.keys() == b.tensors.keys() and all(
+        a[k].shape == b[k].shape and torch.allclose(a[k], b[k], rtol=1e-5, atol=1e-5)
+        for k in a.tensors
+    )
+
+
+def check_graph_replay(stage: Stage, log: Callable[[str], None]) -> list[str]:
+    """Replay steps through the runner's hand-over and the manager's replay;
+    return every way they went wrong."""
+    from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+
+    problems: list[str] = []
+    manager, buffers = stage.manager, stage.buffers
+    captured = manager.captured_token_counts()
+    if captured != CAPTURE_SIZES:
+        problems.append(f"captured {captured}, expected {CAPTURE_SIZES}")
+    for desc in manager.graphs:
+        want = sp_shard_rows(desc.num_tokens, DECLARED_TP)
+        if manager.intermediate_rows.get(desc) != want:
+            problems.append(
+                f"graph N={desc.num_tokens} recorded "
+                f"{manager.intermediate_rows.get(desc)} rows, expected {want}"
+            )
+    log(
+        f"captured FULL graphs for N={captured}; rows recorded: "
+        + ", ".join(f"{d.num_tokens}:{r}" for d, r in manager.intermediate_rows.items())
+    )
+    before = pointers(buffers)
+    for step, num_tokens in enumerate(STEP_TOKENS):
+        desc = manager.dispatch(1, num_tokens, None, 0)
+        if desc.cg_mode != CUDAGraphMode.FULL:
+            problems.append(f"N={num_tokens} dispatched {desc.cg_mode}, not FULL")
+            continue
+        padded = desc.num_tokens
+        rows = sp_shard_rows(padded, DECLARED_TP)
+        received = received_shard(rows, seed=100 + step, device=stage.device)
+        handed = hand_over_intermediate_tensors(buffers, received, padded, stage.model)
+        output = manager.run_fullgraph(desc)
+        expected = eager_output(stage, received, padded)
+        # What capture recorded: the stage on the buffers' zeros.
+        captured_data = eager_output(
+            stage,
+            IntermediateTensors({k: torch.zeros_like(v) for k, v in received.items()}),
+            padded,
+        )
+        if pointers(handed) != before or pointers(buffers) != before:
+            problems.append(f"N={num_tokens}: hand-over moved the persistent buffers")
+        if {t.shape[0] for t in buffers.tensors.values()} != {CAPACITY}:
+            problems.append(f"N={num_tokens}: buffers lost their capacity")
+        shapes = {t.shape[0] for t in output.tensors.values()}
+        if shapes != {rows}:
+            problems.append(f"N={num_tokens} (graph {padded}): replay rows {shapes}")
+        elif same_values(output, captured_data):
+            problems.append(f"N={num_tokens}: replay returned the capture's data")
+        elif not same_values(output, expected):
+            problems.append(
+                f"N={num_tokens} (graph {padded}): replay does not hold what this "
+                "step computed from the rows received"
+            )
+        if pointers(output) != pointers(manager.intermediate_tensors):
+            problems.append(f"N={num_tokens}: replay is not the captured output")
+        log(
+            f"step {step}: N={num_tokens} -> graph N={padded}, received {rows} rows, "
+            f"replay returned {sorted(shapes)} rows, "
+            f"matches eager: {shapes == {rows} and same_values(output, expected)}"
+        )
+    return problems
+
+
+class FakeV2Runner(types.SimpleNamespace):
+    """What the V2 runner's ``execute_model`` reads of ``self`` on a middle
+    PP stage's real step with one request, no LoRA, no encoder, no
+    attention: the real graph manager, stage model and persistent buffers;
+    no-ops for request bookkeeping, connectors and timing."""
+
+    def __init__(self, stage: Stage) -> None:
+        from vllm.v1.worker.gpu.pp_utils import PPHandler
+
+        noop = lambda *args, **kwargs: None  # noqa: E731
+        relay = types.SimpleNamespace(aux_hidden_state_relay_keys=())
+        super().__init__(
+            model=stage.model,
+            intermediate_tensors=stage.buffers,
+            input_buffers=stage.input_buffers,
+            cudagraph_manager=stage.manager,
+            vllm_config=stage.config,
+            parallel_config=stage.config.parallel_config,
+            model_config=None,
+            observability_config=types.SimpleNamespace(cudagraph_metrics=False),
+            is_first_pp_rank=False,
+            is_last_pp_rank=False,
+            pp_handler=types.SimpleNamespace(
+                relay_aux_hidden_states=lambda inputs, output: (
+                    PPHandler.relay_aux_hidden_states(relay, inputs, output)
+                )
+            ),
+            encoder_cache=None,
+            aux_output_connector=None,
+            pcp_manager=None,
+            lora_config=None,
+            is_encoder_decoder=False,
+            ubatch_runner=None,
+            dp_size=1,
+            dp_rank=0,
+            dcp_size=1,
+            decode_query_len=1,
+            uses_inputs_embeds=False,
+            attn_groups=[],
+            kv_cache_config=types.SimpleNamespace(kv_cache_groups=[]),
+            block_tables=types.SimpleNamespace(apply_staged_writes=noop),
+            model_state=types.SimpleNamespace(
+                preprocess_state=noop,
+                prepare_attn=noop,
+                prepare_inputs=lambda input_batch, req_states: {},
+            ),
+            req_states=types.SimpleNamespace(
+                num_computed_tokens=types.SimpleNamespace(gpu=None)
+            ),
+            eplb=types.SimpleNamespace(prepare_forward=noop),
+            step_timing=types.SimpleNamespace(record_batch=noop, forward_start=noop),
+            kv_connector=types.SimpleNamespace(pre_forward=noop, finish_forward=noop),
+            update_pp_decode_requests=noop,
+            finish_requests=noop,
+            free_states=noop,
+            add_requests=noop,
+            update_requests=noop,
+            prepare_attn=lambda input_batch: ([], []),
+        )
+
+    def gather_batch_req_state(self, scheduler_output, dummy_run):
+        tokens = scheduler_output.total_num_scheduled_tokens
+        return types.SimpleNamespace(num_tokens=tokens, has_prefill=True), None
+
+    def prepare_inputs(self, scheduler_output, batch_req_state, batch_desc, loras):
+        padded = batch_desc.num_tokens
+        return types.SimpleNamespace(
+            num_tokens=batch_req_state.num_tokens,
+            num_tokens_after_padding=padded,
+            input_ids=self.input_buffers.input_ids[:padded],
+            positions=self.input_buffers.positions[:padded],
+            is_padding=self.input_buffers.is_padding[:padded],
+        )
+
+
+def scheduled(num_tokens: int) -> types.SimpleNamespace:
+    """A scheduler output of one request of ``num_tokens`` new tokens."""
+    return types.SimpleNamespace(
+        total_num_scheduled_tokens=num_tokens,
+        num_scheduled_tokens={"request-0": num_tokens},
+        finished_req_ids=set(),
+        skip_drafts=False,
+        num_spec_tokens_to_schedule=0,
+        scheduled_encoder_inputs={},
+        encoder_input_updates={},
+    )
+
+
+HAND_OVER_CALL = (
+    'model_inputs["intermediate_tensors"] = hand_over_intermediate_tensors('
+)
+
+
+def execute_model_skipping_full_hand_over() -> Callable[..., Any]:
+    """The planted fault: V2 ``execute_model`` as it would be if its FULL
+    replay path skipped the hand-over (no row check, no copy) and replayed
+    on the persistent buffers as they were."""
+    from vllm.v1.worker.gpu import model_runner
+
+    source = textwrap.dedent(
+        inspect.getsource(model_runner.GPUModelRunner.execute_model)
+    )
+    assert source.count(HAND_OVER_CALL) == 1, "execute_model's hand-over moved"
+    planted = source.replace(
+        HAND_OVER_CALL,
+        'model_inputs["intermediate_tensors"] = (_skip_on_full if batch_desc.cg_mode'
+        " == CUDAGraphMode.FULL else hand_over_intermediate_tensors)(",
+    )
+    namespace = dict(vars(model_runner))
+    namespace["_skip_on_full"] = lambda buffers, received, n, model: buffers[:n]
+    exec(compile(planted, model_runner.__file__, "exec"), namespace)
+    return namespace["execute_model"]
+
+
+def check_execute_model(
+    stage: Stage, execute_model: Callable[..., Any], log: Callable[[str], None]
+) -> list[str]:
+    """Real steps through ``execute_model`` that replay FULL graphs; return
+    every way the stage's output or the row check went wrong."""
+    problems: list[str] = []
+    runner = FakeV2Runner(stage)
+    manager = stage.manager
+    replays: list[int] = []
+    replay = manager.run_fullgraph
+    manager.run_fullgraph = lambda desc: (
+        replays.append(desc.num_tokens),
+        replay(desc),
+    )[1]
+    try:
+        before = pointers(stage.buffers)
+        for step, num_tokens in enumerate(STEP_TOKENS):
+            padded = manager.dispatch(1, num_tokens, None, 0).num_tokens
+            rows = sp_shard_rows(padded, DECLARED_TP)
+            received = received_shard(rows, seed=200 + step, device=stage.device)
+            count = len(replays)
+            output = execute_model(runner, scheduled(num_tokens), received)
+            expected = eager_output(stage, received, padded)
+            if len(replays) != count + 1:
+                problems.append(f"N={num_tokens}: no FULL graph replay")
+            if not isinstance(output, IntermediateTensors):
+                problems.append(f"N={num_tokens}: returned {type(output).__name__}")
+                continue
+            ok = same_values(output, expected)
+            if not ok:
+                problems.append(
+                    f"N={num_tokens} (graph {padded}): execute_model returned other "
+                    "rows than this step computes from what it received"
+                )
+            if pointers(stage.buffers) != before:
+                problems.append(f"N={num_tokens}: persistent buffers moved")
+            log(
+                f"execute_model step {step}: N={num_tokens} -> FULL graph "
+                f"N={padded}, {rows} rows in, "
+                f"{sorted({t.shape[0] for t in output.tensors.values()})} rows out, "
+                f"matches eager: {ok}"
+            )
+        # Stages that padded differently: one row too many, before the replay.
+        wrong = received_shard(sp_shard_rows(8, DECLARED_TP) + 1, 7, stage.device)
+        count = len(replays)
+        try:
+            execute_model(runner, scheduled(8), wrong)
+        except ValueError as refused:
+            log(
+                f"execute_model refused {wrong['hidden_states'].shape[0]} rows: "
+                f"{str(refused).splitlines()[0][:120]}"
+            )
+        else:
+            problems.append("a hand-off of other rows than the shard was not refused")
+        if len(replays) != count:
+            problems.append("a refused hand-off still replayed its graph")
+    finally:
+        manager.run_fullgraph = replay
+    return problems

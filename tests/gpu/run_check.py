@@ -1,0 +1,140 @@
+# SPDX-License-Identifier: Apache-2.0
+"""One GPU check in this process: ``python -m tests.gpu.run_check NAME``.
+
+Run by the bundle's entry script after it installed the bundle; prints the
+device, driver, torch, Triton and vLLM versions, then the check's lines,
+then PASS or FAIL with every problem found.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.gpu import standins
+
+FINDER = standins.install()
+os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
+
+import torch  # noqa: E402
+
+standins.stand_in_op_probes()
+
+
+def header() -> None:
+    import triton
+
+    import vllm
+
+    driver = subprocess.run(
+        ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    print(
+        f"device: {torch.cuda.get_device_name()}; driver {driver}; "
+        f"torch {torch.__version__}; triton {triton.__version__}; "
+        f"vllm {vllm.__version__} from {os.path.dirname(vllm.__file__)}; "
+        f"python {sys.version.split()[0]}"
+    )
+
+
+def single_rank() -> None:
+    """One rank, gloo: vLLM's groups exist (graph capture asks them); no
+    collective of more than one rank runs."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+
+    with set_current_vllm_config(VllmConfig()):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method="tcp://127.0.0.1:29531",
+        )
+        initialize_model_parallel(1, 1)
+
+
+def tiny_k3() -> list[str]:
+    from tests.sppp_testbed import tiny_k3 as bed
+    from tests.sppp_testbed.stages import token_ids
+    from vllm.config import set_current_vllm_config
+
+    problems = []
+    for attn_res in (False, True):
+        for num_tokens in (1, 7, 33):
+            config = bed.scenario_config(1, 1, sp=False, attn_res=attn_res)
+            with set_current_vllm_config(config), bed.stand_ins(), torch.no_grad():
+                reference_model = bed.build_model(config, seed=3)
+                cuda_model = bed.build_model(config, seed=3).to("cuda")
+                ids = token_ids(num_tokens, seed=3)
+                positions = torch.arange(num_tokens)
+                reference = reference_model(ids, positions, None)
+                with torch.device("cuda"):
+                    output = cuda_model(ids.cuda(), positions.cuda(), None)
+            if isinstance(reference, tuple):
+                reference, output = reference[0], output[0]
+            error = (output.cpu() - reference).abs().max().item()
+            ok = output.is_cuda and error <= 1e-9
+            print(
+                f"tiny K3 (4 layers, AttnRes {'on' if attn_res else 'off'}), "
+                f"N={num_tokens}: CUDA {tuple(output.shape)} {output.dtype}, "
+                f"max |CUDA - CPU| = {error:.2e}: {'ok' if ok else 'MISMATCH'}"
+            )
+            if not ok:
+                problems.append(f"AttnRes={attn_res} N={num_tokens}: error {error}")
+    return problems
+
+
+def graphs() -> list[str]:
+    from tests.gpu import checks
+
+    with checks.declared_topology():
+        stage = checks.capture_graphs(torch.device("cuda"))
+        print(
+            f"real torch.cuda.CUDAGraph objects: "
+            f"{sorted(type(g).__name__ for g in stage.manager.graphs.values())[:1]}"
+        )
+        return checks.check_graph_replay(stage, print)
+
+
+def execute_model() -> list[str]:
+    from tests.gpu import checks
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    with checks.declared_topology():
+        stage = checks.capture_graphs(torch.device("cuda"))
+        problems = checks.check_execute_model(
+            stage, GPUModelRunner.execute_model, print
+        )
+        print("--- planted: execute_model with the hand-over skipped on FULL replay")
+        planted = checks.check_execute_model(
+            stage, checks.execute_model_skipping_full_hand_over(), print
+        )
+        print(f"planted fault caught: {bool(planted)}; its problems: {planted}")
+        if not planted:
+            problems.append("the planted skip of the FULL hand-over passed")
+    return problems
+
+
+def main() -> int:
+    name = sys.argv[1]
+    header()
+    single_rank()
+    problems = {"tiny-k3": tiny_k3, "graphs": graphs, "execute-model": execute_model}[
+        name
+    ]()
+    print(f"stand-ins imported: {FINDER.used}")
+    print(f"{name}: {'PASS' if not problems else 'FAIL'}")
+    for problem in problems:
+        print(f"  problem: {problem}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
