@@ -49,7 +49,9 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x8
 def vllm_source_tar(site_packages: Path) -> bytes:
     """The patched vLLM tree's sources and dist-info, xz-compressed."""
     buffer = io.BytesIO()
-    with tarfile.open(fileobj=buffer, mode="w:xz") as tar:
+    # preset 1: 8.8 MiB in 7 s on 2 busy cores; the default took minutes
+    # there for 7 MiB, and `make test` builds the bundle.
+    with tarfile.open(fileobj=buffer, mode="w:xz", preset=1) as tar:
         for path in sorted((site_packages / "vllm").rglob("*")):
             if path.is_file() and path.suffix in SOURCE_SUFFIXES:
                 tar.add(path, str(path.relative_to(site_packages)))
