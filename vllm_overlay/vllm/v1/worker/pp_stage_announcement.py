@@ -60,7 +60,7 @@ def announcement_timeout() -> float:
     try:
         return float(value) if value else DEFAULT_TIMEOUT_S
     except ValueError as error:
-        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not a number of seconds") from error
+        raise ValueError(f"{TIMEOUT_ENV}={value!r} is not in seconds") from error
 
 
 def this_stage() -> dict[str, Any]:
@@ -119,7 +119,7 @@ def announce_and_wait(timeout: float | None = None) -> list[dict[str, Any]]:
             f"of it, or did not start: {CHECK}. This stage runs {_describe(mine)}; "
             "announced: "
             + "; ".join(
-                f"stage {n} on {a.get('host', '?')}" for n, a in sorted(everyone.items())
+                f"stage {n} on {a.get('host', '?')}" for n, a in everyone.items()
             )
         )
     stages = [everyone[n] for n in range(pp_group.world_size)]
