@@ -71,7 +71,7 @@ def test_a_stock_stage_is_refused_within_the_bound_naming_it(pool):
         assert error is not None and SILENT in error, error
         assert "PP stage(s) [1]" in error, error
         assert TIMEOUT_ENV in error and "make status" in error, error
-        assert SHORT_BOUND_S <= seconds < SHORT_BOUND_S + 10, seconds
+        assert SHORT_BOUND_S <= seconds < SHORT_BOUND_S + 6, seconds
 
 
 @topologies((2, 2))
