@@ -110,7 +110,7 @@ def announce_and_wait(timeout: float | None = None) -> list[dict[str, Any]]:
         missing = [n for n in others if n not in everyone]
         if not missing or time.monotonic() >= deadline:
             break
-        time.sleep(0.05)
+        time.sleep(0.01)
     if missing:
         raise RuntimeError(
             f"PP stage(s) {missing} did not announce themselves within "
