@@ -13,8 +13,10 @@ import time
 
 import torch.distributed as dist
 
-from tests.distributed.conftest import topologies
+from tests.distributed.conftest import PRELOAD, topologies
 from tests.distributed.test_pp_hand_off_agreement import BOUND_S, SP, start_stage
+from tests.sppp_testbed.launcher import RankPool
+from tests.sppp_testbed.pristine import start_as_node
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.v1.worker import pp_stage_announcement
 from vllm.v1.worker.pp_stage_announcement import TIMEOUT_ENV
@@ -72,6 +74,20 @@ def test_a_stock_stage_is_refused_within_the_bound_naming_it(pool):
         assert "PP stage(s) [1]" in error, error
         assert TIMEOUT_ENV in error and "make status" in error, error
         assert SHORT_BOUND_S <= seconds < SHORT_BOUND_S + 6, seconds
+
+
+def test_a_stage_on_the_pristine_tree_is_refused_within_the_bound(pristine_vllm):
+    """Stage 1 imports vLLM 0.33.0 as it was before the series."""
+    mixed = RankPool(1, 2, preload=PRELOAD, stage_vllm_roots={1: pristine_vllm})
+    try:
+        (error, seconds), pristine = mixed.run(
+            start_as_node, ["patched", "pristine"], timeout=BOUND_S
+        )
+    finally:
+        mixed.close()
+    assert pristine == (None, 0.0)
+    assert error is not None and SILENT in error and "PP stage(s) [1]" in error
+    assert SHORT_BOUND_S <= seconds < SHORT_BOUND_S + 6, seconds
 
 
 @topologies((2, 2))
