@@ -9,8 +9,7 @@ step (at least ``N`` for a model that declares none, as before) and keep
 their persistent receive buffers at full capacity.
 """
 
-from collections.abc import Callable
-
+from vllm.model_executor.models.interfaces import get_pp_num_rows
 from vllm.sequence import IntermediateTensors
 
 
@@ -44,7 +43,7 @@ def hand_over_intermediate_tensors(
     buffers: IntermediateTensors,
     received: IntermediateTensors | None,
     num_tokens: int,
-    num_rows: Callable[[int], int | None] | None,
+    model: object,
 ) -> IntermediateTensors:
     """What a runner hands the model on a non-first PP stage.
 
@@ -55,13 +54,11 @@ def hand_over_intermediate_tensors(
     runs, profiling, capture) the buffers' first ``num_tokens`` rows go as
     they are, and a sequence-parallel model narrows them itself: to the same
     leading rows a real step writes, where captured graphs read.
-    ``num_rows`` is the model's row rule as the runner took it at load
-    (``PPHandOffDeclaration.num_rows``); ``None`` for a model without one.
     """
     if received is None:
         return buffers[:num_tokens]
     rows = intermediate_tensors_num_rows(received)
-    expected = None if num_rows is None else num_rows(num_tokens)
+    expected = get_pp_num_rows(model, num_tokens)
     if not accepts_hand_off(rows, num_tokens, expected):
         raise ValueError(
             f"Received PP intermediate tensors of {rows} rows for a step of "
