@@ -31,10 +31,18 @@ def checkout() -> dict:
 
 def provenance(target: str | None = None) -> dict:
     """``patch_set`` is ``apply.py status --json`` of ``target`` (default:
-    this project's .venv)."""
+    this project's .venv). ``series_revision`` is the revision applied to
+    the vLLM this client runs, said as such: a client cannot see the
+    server's nodes, whose stages each log theirs at start-up."""
+    status = apply.status(target)
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "host": platform.node(),
         "k3_sppp": checkout(),
-        "patch_set": apply.status(target),
+        "series_revision": {
+            "client": status["revision"],
+            "of": "the vLLM this client runs (patch_set.target)",
+            "server": "not visible to the client; each PP stage logs its own",
+        },
+        "patch_set": status,
     }

@@ -402,6 +402,22 @@ def not_local(address: str) -> str | None:
     return None
 
 
+def series_note(status: dict, vllm_dir: str) -> str:
+    """This node's series revision, for every arm: PP stages on nodes with
+    different revisions (or one without the series) refuse each other at
+    start-up, so the line is what to compare across nodes."""
+    if status["state"] == "applied":
+        revision = f"k3-sppp revision {status['revision']} applied"
+    elif status["state"] == "not-applied":
+        revision = "no k3-sppp series applied"
+    else:
+        revision = f"k3-sppp series {status['state']}"
+    return (
+        f"this node's vLLM {status['vllm_version'] or '?'} at {vllm_dir}: "
+        f"{revision}; every node of this server must print the same"
+    )
+
+
 def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
     """What this node lacks to run ``command``; empty when it is ready."""
     problems = []
@@ -418,14 +434,14 @@ def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
     problems += model_problems(command.argv[2])
     node_rank = int(flag_value(command, "--node-rank") or 0)
     problems += address_problems(command, node_rank)
-    if arm.needs_patch_set:
-        status = apply.status(vllm_dir)
-        if status["exit_code"] != apply.EXIT_OK:
-            problems.append(
-                f"arm {arm.name} needs the k3-sppp patch set applied to {vllm_dir} "
-                f"(apply.py status exit {status['exit_code']}): run "
-                f"`make apply VLLM={vllm_dir}`\n{apply.status_text(status)}"
-            )
+    status = apply.status(vllm_dir)
+    print(f"serve: {series_note(status, vllm_dir)}", file=sys.stderr)
+    if arm.needs_patch_set and status["exit_code"] != apply.EXIT_OK:
+        problems.append(
+            f"arm {arm.name} needs the k3-sppp patch set applied to {vllm_dir} "
+            f"(apply.py status exit {status['exit_code']}): run "
+            f"`make apply VLLM={vllm_dir}`\n{apply.status_text(status)}"
+        )
     env = served_env(command)
     if MEGA_MOE_BACKEND in (flag_value(command, "--kernel-config") or ""):
         deep_gemm = subprocess.run(

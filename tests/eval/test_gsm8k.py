@@ -272,6 +272,9 @@ def test_end_to_end_against_a_local_server(tmp_path, capsys):
     assert "--kernel-config" in manifest["serve_command"]
     assert manifest["serve_env"] == SERVED_ENV
     assert manifest["patch_set"]["exit_code"] == apply.EXIT_OK
+    # The client's own revision, said as the client's.
+    assert manifest["series_revision"]["client"] == apply.status()["revision"]
+    assert "client" in manifest["series_revision"]["of"]
     assert manifest["data"] == str(DATA.resolve())
     assert "tokenized_requests=False" in " ".join(manifest["lm_eval"]["args"])
     run = gsm8k.load_arm(tmp_path / "fi-ep")

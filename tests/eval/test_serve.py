@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import apply
 from eval import serve
 
 DATA = Path(__file__).parent / "data"
@@ -238,6 +239,18 @@ def test_preflight_names_what_the_node_lacks(tmp_path):
     assert serve.preflight(serve.get_arm("fi-noep"), noep, bare) == []
 
 
+def test_preflight_prints_the_series_revision_for_every_arm(tmp_path, capsys):
+    applied = serve.series_note(apply.status(), "/venv")
+    assert f"k3-sppp revision {apply.status()['revision']} applied" in applied
+    bare = fake_python(tmp_path / "bare")
+    for name in ("mega-sp", "fi-ep", "fi-noep"):
+        command = serve.build(name, ready_node(tmp_path / name))
+        serve.preflight(serve.get_arm(name), command, bare)
+        note = capsys.readouterr().err
+        assert "no k3-sppp series applied" in note, (name, note)
+        assert "every node of this server must print the same" in note, note
+
+
 def test_deepep_is_checked_the_way_the_serving_vllm_checks_it(tmp_path):
     fi = serve.build("fi-ep", ready_node(tmp_path))
     arm = serve.get_arm("fi-ep")
@@ -292,7 +305,9 @@ def test_run_refuses_before_starting_anything(tmp_path):
     result = serve_cli(fake_python(tmp_path), "--run", values=values)
     assert result.returncode == 1
     assert "--headless" in result.stdout  # the command is shown first
-    assert result.stderr.count("serve: ") == 3
+    # This node's revision, then the three problems.
+    assert result.stderr.startswith("serve: this node's vLLM")
+    assert result.stderr.count("serve: ") == 4
 
 
 def test_printing_says_nothing_was_started(tmp_path):

@@ -197,15 +197,20 @@ class RankPool:
         pp: int,
         preload: tuple[str, ...] = (),
         vllm_root: str | None = None,
+        stage_vllm_roots: dict[int, str | None] | None = None,
     ) -> None:
         self.tp, self.pp = tp, pp
         self.preload = preload
         self.vllm_root = vllm_root
+        # Stages whose ranks import another tree: nodes that differ.
+        self.stage_vllm_roots = stage_vllm_roots or {}
         self.world = tp * pp
         self._procs: list[mp.Process] = []
 
     def __repr__(self) -> str:
         where = f", vLLM from {self.vllm_root}" if self.vllm_root else ""
+        for stage, root in self.stage_vllm_roots.items():
+            where += f", stage {stage} from {root or 'the installed vLLM'}"
         return f"RankPool(TP{self.tp}xPP{self.pp}{where})"
 
     def start(self) -> None:
@@ -222,7 +227,7 @@ class RankPool:
                     self.pp,
                     port,
                     self.preload,
-                    self.vllm_root,
+                    self._root_of(r),
                     self._tasks[r],
                     self._results,
                 ),
@@ -230,10 +235,13 @@ class RankPool:
             )
             for r in range(self.world)
         ]
-        with _forking_from(self.vllm_root):
-            for proc in self._procs:
+        for r, proc in enumerate(self._procs):
+            with _forking_from(self._root_of(r)):
                 proc.start()
         self._collect("start-up", START_TIMEOUT_S, expect="ready")
+
+    def _root_of(self, rank: int) -> str | None:
+        return self.stage_vllm_roots.get(rank // self.tp, self.vllm_root)
 
     def run(
         self,

@@ -10,6 +10,7 @@ so the same test bed runs patched and unpatched vLLM side by side.
 from __future__ import annotations
 
 import os
+from importlib.util import find_spec
 from pathlib import Path
 
 import apply
@@ -30,3 +31,17 @@ def link_pristine_vllm(dest: Path) -> Path:
             link.parent.mkdir(parents=True, exist_ok=True)
             link.symlink_to(original.resolve())
     return dest
+
+
+def start_as_node(kinds: list) -> tuple[str | None, float]:
+    """A stage of a mixed pool: "pristine" runs vLLM 0.33.0's worker, which
+    checks nothing before its first PP receive; any other kind is a stage of
+    ``test_pp_stage_announcement``. Importable from either tree."""
+    from vllm.distributed.parallel_state import get_pp_group
+
+    if kinds[get_pp_group().rank_in_group] == "pristine":
+        assert find_spec("vllm.v1.worker.pp_stage_announcement") is None
+        return None, 0.0
+    from tests.distributed.test_pp_stage_announcement import start_as
+
+    return start_as(kinds)

@@ -34,6 +34,7 @@ from vllm.model_executor.models.interfaces import (
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from vllm.v1.worker.pp_intermediate_tensors import accepts_hand_off
+from vllm.v1.worker.pp_stage_announcement import announce_and_wait
 
 logger = init_logger(__name__)
 
@@ -402,6 +403,8 @@ def check_pp_hand_off_agreement(
     the differences that cannot break a hand-off."""
     if get_pp_group().world_size == 1:
         return
+    # A silent or foreign stage would leave the rounds below waiting.
+    announce_and_wait()
     paddings: list[RunnerPadding] = []
 
     def settings() -> dict[str, Any]:
