@@ -23,15 +23,23 @@
 #                       the ranks' start-up output: build/comm-report.log)
 #   make serve          print one arm's serve command for one node; RUN=1
 #                       checks the node and starts it: ARM=mega-sp|fi-ep|
-#                       fi-noep NODE_RANK= MODEL= MASTER_ADDR= HOST_IP=
-#                       DEEPGEMM= (mega-sp) [SERVE_PYTHON=, default .venv's]
+#                       fi-noep|mega-sp-seed NODE_RANK= CHECKPOINT= (or
+#                       MODEL=, as the seed) MASTER_ADDR= HOST_IP=
+#                       [DEEPGEMM=, every arm; else vLLM's bundled copy]
+#                       [SERVE_PYTHON=, default .venv's]
+#   make evaluate       against a running arm, GSM8K then bench sweeps, one
+#                       manifest, resumable: ARM= BASE_URL= CHECKPOINT=
+#                       [SWEEP=prefill,decode|all|none] [LIMIT=] [REPEAT=N]
+#                       [POINTS=] [SERVED_MODEL=Kimi-K3] [GSM8K_DATA=dir]
 #   make gsm8k          GSM8K with lm-eval against a running arm: ARM=
-#                       BASE_URL= MODEL= [LIMIT=] [GSM8K_DATA=dir] [FORCE=1]
+#                       BASE_URL= [SERVED_MODEL=Kimi-K3] [LIMIT=]
+#                       [GSM8K_DATA=dir] [FORCE=1]
 #   make gsm8k-compare  table and paired verdict per arm [BASELINE=fi-ep]
 #   make bench          a throughput sweep against a running arm: ARM=
-#                       BASE_URL= MODEL= TOKENIZER= [SWEEP=prefill|decode|
-#                       mixed|all] [POINTS=128x1,8192x4] [REPEAT=N: every
-#                       point N times, N x the time] [ALLOW_PREFIX_CACHING=1]
+#                       BASE_URL= CHECKPOINT= [TOKENIZER=, default CHECKPOINT]
+#                       [SWEEP=prefill|decode|mixed|all] [POINTS=128x1,8192x4]
+#                       [REPEAT=N: every point N times, N x the time]
+#                       [SERVED_MODEL=Kimi-K3] [ALLOW_PREFIX_CACHING=1]
 #   make bench-report   per sweep: tables (means over runs), verdicts, JSON
 #                       summary and plots from results/bench
 #   make gpu-bundle     build/gpu-bundle/: patched vLLM sources, wheels, test
@@ -40,8 +48,8 @@
 #
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
 # (site-packages, venv, checkout root or the vllm/ package) instead of .venv,
-# and tells gsm8k and bench whose patch state to record; for rebase it is the
-# tree the series moves onto.
+# and tells evaluate, gsm8k and bench whose patch state to record; for rebase
+# it is the tree the series moves onto.
 # Needs: python3 (3.9+) for apply.py; PYTHON=python3.11 (3.11+, as vLLM 0.33.0)
 # on PATH to build .venv, or PYTHON=/path/to/python3.11.
 
@@ -58,7 +66,7 @@ APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
 .PHONY: help setup apply revert status check test lint manifest pr-diff rebase comm-report \
-	nccl-bench serve gsm8k gsm8k-compare bench bench-report gpu-bundle
+	nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report gpu-bundle
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -170,12 +178,26 @@ serve:
 			"\`make apply\` (it builds .venv) or set SERVE_PYTHON= to the python" \
 			"of the environment that serves vLLM $(call pin,vllm)" >&2; exit 1; }
 	@"$(SERVE_PYTHON)" -m eval.serve --arm "$(ARM)" --node-rank "$(NODE_RANK)" \
-		--model "$(MODEL)" --master-addr "$(MASTER_ADDR)" --host-ip "$(HOST_IP)" \
-		--deepgemm "$(DEEPGEMM)" --python "$(SERVE_PYTHON)" $(if $(RUN),--run)
+		--checkpoint "$(or $(CHECKPOINT),$(MODEL))" --master-addr "$(MASTER_ADDR)" \
+		--host-ip "$(HOST_IP)" --deepgemm "$(DEEPGEMM)" --python "$(SERVE_PYTHON)" \
+		$(if $(RUN),--run)
+
+# The checkpoint (CHECKPOINT=, or MODEL= as the seed exports it) and the served
+# model name (SERVED_MODEL=) are two variables; the clients refuse a MODEL= that
+# is not a path, naming SERVED_MODEL=.
+MODEL_NAMES = $(if $(SERVED_MODEL),--served-model-name "$(SERVED_MODEL)") \
+	$(if $(CHECKPOINT),--checkpoint "$(CHECKPOINT)") $(if $(MODEL),--model "$(MODEL)")
+
+evaluate: setup
+	$(VPY) -m eval.evaluate --arm "$(ARM)" --base-url "$(BASE_URL)" $(MODEL_NAMES) \
+		$(if $(TOKENIZER),--tokenizer "$(TOKENIZER)") $(if $(SWEEP),--sweeps "$(SWEEP)") \
+		$(if $(POINTS),--points "$(POINTS)") $(if $(REPEAT),--repeat "$(REPEAT)") \
+		$(if $(LIMIT),--limit $(LIMIT)) $(if $(GSM8K_DATA),--data "$(GSM8K_DATA)") \
+		$(if $(VLLM),--target "$(VLLM)") $(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
 
 gsm8k: setup
 	$(VPY) -m eval.gsm8k run --arm "$(ARM)" --base-url "$(BASE_URL)" \
-		--model "$(MODEL)" $(if $(LIMIT),--limit $(LIMIT)) \
+		$(MODEL_NAMES) $(if $(LIMIT),--limit $(LIMIT)) \
 		$(if $(GSM8K_DATA),--data "$(GSM8K_DATA)") $(if $(VLLM),--target "$(VLLM)") \
 		$(if $(FORCE),--force)
 
@@ -184,8 +206,8 @@ gsm8k-compare: setup
 	$(VPY) -m eval.gsm8k compare --baseline $(BASELINE)
 
 bench: setup
-	$(VPY) -m eval.bench run --arm "$(ARM)" --base-url "$(BASE_URL)" \
-		--model "$(MODEL)" --tokenizer "$(TOKENIZER)" $(if $(SWEEP),--sweep "$(SWEEP)") \
+	$(VPY) -m eval.bench run --arm "$(ARM)" --base-url "$(BASE_URL)" $(MODEL_NAMES) \
+		$(if $(TOKENIZER),--tokenizer "$(TOKENIZER)") $(if $(SWEEP),--sweep "$(SWEEP)") \
 		$(if $(POINTS),--points "$(POINTS)") $(if $(REPEAT),--repeat "$(REPEAT)") \
 		$(if $(VLLM),--target "$(VLLM)") $(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
 

@@ -2,7 +2,7 @@
 """Throughput sweeps per serving arm (prefill, decode, mixed), and their report.
 
     .venv/bin/python -m eval.bench run --arm mega-sp --base-url http://head:8691 \\
-        --model Kimi-K3 --tokenizer /models/Kimi-K3 [--sweep decode] [--points 1024x8]
+        --checkpoint /models/Kimi-K3 [--sweep decode] [--points 1024x8]
     .venv/bin/python -m eval.bench report
 
 from this checkout's root (``make bench`` and ``make bench-report`` run
@@ -50,6 +50,7 @@ from eval.openai_server import (
     add_server_arguments,
     check_server,
     prefix_caching,
+    resolve_model_names,
 )
 from eval.provenance import provenance
 
@@ -157,10 +158,12 @@ VERDICT_RULE = (
     "over the next arm exceeds the two arms' spreads added; an arm with one "
     "run has its wave spread alone, its run-to-run variation unmeasured"
 )
-# Report columns beyond one per arm: (header, arm, against).
+# Report columns beyond one per arm: (header, arm, against); a column of a
+# variant arm (eval/arms.toml) only where that arm is shown.
 DELTAS = (
     ("Mega vs FI+EP", "mega-sp", "fi-ep"),
     ("Mega vs no-EP", "mega-sp", "fi-noep"),
+    ("Mega vs seed's", "mega-sp", "mega-sp-seed"),
 )
 # Key in vllm bench serve's saved result -> (table title, unit).
 METRICS = {
@@ -265,9 +268,9 @@ def write_manifest(
             "arm": arm.name,
             "label": arm.label,
             "base_url": args.base_url,
-            "model": args.model,
+            "model": args.served_model_name,
             "tokenizer": args.tokenizer,
-            **serve.served_as(arm.name),
+            **serve.served_as(arm.name, args.served),
         }
     )
     manifest["runs"].append(
@@ -289,11 +292,13 @@ def selected(args: argparse.Namespace) -> list[tuple[Sweep, list[Point]]]:
             f"REPEAT={args.repeat} (--repeat): each point runs at least once; "
             "set 1 (the default) or more, e.g. REPEAT=3"
         )
+    resolve_model_names(args)
+    args.tokenizer = args.tokenizer or args.checkpoint
     if not args.tokenizer:
         raise BenchError(
-            "TOKENIZER= is empty: set it to the served model's directory or "
-            "Hugging Face name (vllm bench serve builds the random prompts "
-            "with it), e.g. TOKENIZER=/models/Kimi-K3"
+            "no tokenizer: set CHECKPOINT= to the served model's directory "
+            "(vllm bench serve builds the random prompts with its tokenizer), "
+            "e.g. CHECKPOINT=/models/Kimi-K3; TOKENIZER= overrides it"
         )
     names = list(SWEEPS) if args.sweep == "all" else [args.sweep]
     if args.points and len(names) > 1:
@@ -333,7 +338,9 @@ def run_point(
 ) -> dict:
     """One ``vllm bench serve``: its saved result, or the sweep stops here."""
     path = out / point.run_filename(run)
-    command = bench_command(point, args.base_url, args.model, args.tokenizer, out, run)
+    command = bench_command(
+        point, args.base_url, args.served_model_name, args.tokenizer, out, run
+    )
     proc = subprocess.run([args.vllm, *command[1:]])
     if proc.returncode != 0 or not finished(path, point):
         if path.exists():
@@ -370,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     arm = serve.get_arm(args.arm)
     plan = selected(args)
     args.base_url = args.base_url.rstrip("/")
-    version = check_server(args.base_url, args.model, arm.name)
+    version = check_server(args.base_url, args.served_model_name, arm.name)
     caching = prefix_caching(args.base_url)
     if caching is not False and not args.allow_prefix_caching:
         state = "has prefix caching on" if caching else "does not report"
@@ -602,13 +609,28 @@ def table(header: list[str], rows: list[list[str]], text: int = 0) -> list[str]:
     ]
 
 
-def render_metric(sweep: Sweep, metric: str, found: Found) -> list[str]:
+def shown_arms(sweep: Sweep, found: Found) -> dict[str, serve.Arm]:
+    """The arms a sweep's tables show: every arm, missing or not, but a
+    variant only where it has a point of the sweep."""
     _, arms = serve.load_arms()
+    return {
+        name: arm
+        for name, arm in arms.items()
+        if arm.variant_of is None or any(p in found.get(name, {}) for p in sweep.points)
+    }
+
+
+def shown_deltas(arms: dict[str, serve.Arm]) -> list[tuple[str, str, str]]:
+    return [d for d in DELTAS if d[1] in arms and d[2] in arms]
+
+
+def render_metric(sweep: Sweep, metric: str, found: Found) -> list[str]:
+    arms = shown_arms(sweep, found)
     title, unit = METRICS[metric]
     suffix = f" {unit}" if unit == "tok/s" else ""
     header = ["Input", "Concurrency"]
     header += [f"{arm.label}{suffix}" for arm in arms.values()]
-    header += [name for name, _, _ in DELTAS]
+    header += [name for name, _, _ in shown_deltas(arms)]
     rows = []
     for point in sweep.points:
         values = {
@@ -617,7 +639,7 @@ def render_metric(sweep: Sweep, metric: str, found: Found) -> list[str]:
         }
         cells = [str(point.input_len), str(point.concurrency)]
         cells += [fmt(metric, values[name]) for name in arms]
-        for _, arm, against in DELTAS:
+        for _, arm, against in shown_deltas(arms):
             d = delta(values.get(arm), values.get(against))
             cells.append("missing" if d is None else f"{d:+.1f}%")
         rows.append(cells)
@@ -633,7 +655,7 @@ def total(runs: list[dict], key: str) -> int | None:
 
 
 def render_requests(sweep: Sweep, found: Found) -> list[str]:
-    _, arms = serve.load_arms()
+    arms = shown_arms(sweep, found)
     rows = []
     for point in sweep.points:
         cells = [str(point.input_len), str(point.concurrency)]
@@ -680,7 +702,7 @@ def verdict_words(v: dict, arms: dict) -> str:
 
 
 def render_verdicts(sweep: Sweep, found: Found) -> list[str]:
-    _, arms = serve.load_arms()
+    arms = shown_arms(sweep, found)
     rows = []
     for point in sweep.points:
         v = verdict(sweep, point, found)
@@ -710,14 +732,18 @@ def render_sweep(sweep: Sweep, found: Found) -> list[str]:
         lines += render_metric(sweep, metric, found) + [""]
     lines += render_requests(sweep, found) + [""]
     lines += render_verdicts(sweep, found) + [""]
+    arms = shown_arms(sweep, found)
     missing = [
         f"{name} {point}"
-        for name in serve.load_arms()[1]
+        for name in arms
         for point in sweep.points
         if point not in found.get(name, {})
     ]
     if missing:
         lines += [f"Missing points: {', '.join(missing)}.", ""]
+    for arm in arms.values():
+        if (note := serve.differences(arm)) is not None:
+            lines += [f"{note}.", ""]
     return lines
 
 
@@ -784,7 +810,7 @@ def summary(found: Found) -> dict:
                             )
                             for m in sweep.metrics
                         }
-                        for name, arm, against in DELTAS
+                        for name, arm, against in shown_deltas(shown_arms(sweep, found))
                     },
                     "verdict": verdict(sweep, point, found),
                 }
@@ -917,7 +943,9 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = sub.add_parser("run", help="a sweep for one arm")
     add_server_arguments(run_parser)
     run_parser.add_argument(
-        "--tokenizer", required=True, help="the served model's tokenizer (path or name)"
+        "--tokenizer",
+        default="",
+        help="the served model's tokenizer, path or name (default: --checkpoint)",
     )
     run_parser.add_argument(
         "--sweep",

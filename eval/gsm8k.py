@@ -2,7 +2,7 @@
 """GSM8K per serving arm with lm-eval, and a paired verdict across arms.
 
     .venv/bin/python -m eval.gsm8k run --arm mega-sp --base-url http://head:8691 \\
-        --model Kimi-K3 [--limit 200] [--data DIR]
+        [--served-model-name Kimi-K3] [--limit 200] [--data DIR]
     .venv/bin/python -m eval.gsm8k compare [--baseline fi-ep]
 
 from this checkout's root (``make gsm8k`` and ``make gsm8k-compare`` run
@@ -36,7 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eval import serve
-from eval.openai_server import ServerError, add_server_arguments, check_server
+from eval.openai_server import (
+    ServerError,
+    add_server_arguments,
+    check_server,
+    resolve_model_names,
+)
 from eval.provenance import provenance
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -129,6 +134,7 @@ def lm_eval_args(
 
 
 def run(args: argparse.Namespace) -> int:
+    resolve_model_names(args)
     arm = serve.get_arm(args.arm)
     base_url = args.base_url.rstrip("/")
     out = args.results / arm.name
@@ -140,18 +146,19 @@ def run(args: argparse.Namespace) -> int:
             )
         shutil.rmtree(out.with_name(f"{arm.name}.prev"), ignore_errors=True)
         out.rename(out.with_name(f"{arm.name}.prev"))
-    served_version = check_server(base_url, args.model, arm.name)
+    model = args.served_model_name
+    served_version = check_server(base_url, model, arm.name)
     out.mkdir(parents=True, exist_ok=True)
     include = None
     if args.data:
         include = out / "task"
         include.mkdir(exist_ok=True)
         (include / f"{LOCAL_TASK}.yaml").write_text(local_task_yaml(args.data))
-    lm_args = lm_eval_args(base_url, args.model, out / "lm_eval", args.limit, include)
+    lm_args = lm_eval_args(base_url, model, out / "lm_eval", args.limit, include)
     command = [sys.executable, "-m", "lm_eval", *lm_args]
     print(
         f"gsm8k: arm {arm.name} ({arm.label}) against {base_url}, model "
-        f"{args.model}, vLLM {served_version}; lm-eval's progress follows",
+        f"{model}, vLLM {served_version}; lm-eval's progress follows",
         flush=True,
     )
     proc = subprocess.run(command, env={**os.environ, "TOKENIZERS_PARALLELISM": "0"})
@@ -162,9 +169,9 @@ def run(args: argparse.Namespace) -> int:
         "arm": arm.name,
         "label": arm.label,
         "base_url": base_url,
-        "model": args.model,
+        "model": model,
         "served_vllm_version": served_version,
-        **serve.served_as(arm.name),
+        **serve.served_as(arm.name, args.served),
         "lm_eval": {
             "version": lm_eval_version(),
             "args": lm_args,
@@ -284,12 +291,14 @@ def comparable(base: ArmRun, other: ArmRun) -> list[str]:
         b = other.results["configs"][other.task].get(key)
         if a != b:
             reasons.append(f"{label}: {key} {a} vs {b}")
-    # The arms share one environment: a difference is a run served from
-    # another arms file (before a variable was renamed, say).
+    # The arms share one environment but for what the arms file makes them
+    # differ in (a variant's renamed variable): another difference is a run
+    # served from another arms file, or started with other values.
     a = base.manifest.get("serve_env") or {}
     b = other.manifest.get("serve_env") or {}
+    declared = {name for name, _ in arm_env(base) ^ arm_env(other)}
     for name in sorted(set(a) | set(b)):
-        if a.get(name) != b.get(name):
+        if a.get(name) != b.get(name) and name not in declared:
             reason = f"{name} {a.get(name)} vs {b.get(name)}"
             reasons.append(f"serving environment: {reason}")
     a, b = base.manifest["settings"], other.manifest["settings"]
@@ -298,6 +307,15 @@ def comparable(base: ArmRun, other: ArmRun) -> list[str]:
             label = "few-shot settings" if "fewshot" in key else "generation settings"
             reasons.append(f"{label}: {key} {a.get(key)} vs {b.get(key)}")
     return reasons
+
+
+def arm_env(run: ArmRun) -> set[tuple[str, str]]:
+    """The environment the arms file gives the run's arm; none for an arm it
+    no longer has."""
+    try:
+        return set(serve.declared(run.manifest.get("arm", run.name)).env)
+    except serve.ServeError:
+        return set()
 
 
 @dataclass
@@ -379,7 +397,22 @@ def render(runs: list[ArmRun], baseline: str, verdicts: list[Verdict]) -> str:
             f"{100 * v.identical:.1f} % | "
             f"{'non-inferior' if v.passed else 'NOT non-inferior'} |"
         )
+    notes = [
+        note
+        for run in runs
+        if (note := variant_note(run.manifest.get("arm", run.name))) is not None
+    ]
+    if notes:
+        lines += ["", *notes]
     return "\n".join(lines) + "\n"
+
+
+def variant_note(arm_name: str) -> str | None:
+    """How a variant arm differs from the arm it is a variant of."""
+    try:
+        return serve.differences(serve.get_arm(arm_name))
+    except serve.ServeError:
+        return None
 
 
 def compare(args: argparse.Namespace) -> int:

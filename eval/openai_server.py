@@ -8,8 +8,12 @@ import json
 import re
 import urllib.error
 import urllib.request
+from pathlib import Path
+
+from eval.serve import SERVED_DIR
 
 NETWORK_ERRORS = (urllib.error.URLError, OSError, ValueError)
+SERVED_MODEL_NAME = "Kimi-K3"  # the arms' --served-model-name
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,8 +24,46 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--base-url", required=True, help="the server, e.g. http://10.0.0.1:8691"
     )
-    parser.add_argument("--model", required=True, help="the served model name")
+    parser.add_argument(
+        "--served-model-name",
+        default=SERVED_MODEL_NAME,
+        help="the served model name (make: SERVED_MODEL=; default "
+        f"{SERVED_MODEL_NAME})",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default="",
+        help="the served model's checkpoint directory (make: CHECKPOINT=)",
+    )
+    parser.add_argument(
+        "--model",
+        default="",
+        help="make's MODEL=, the checkpoint directory as in `make serve` and the "
+        "seed; a served model name here is refused, naming SERVED_MODEL=",
+    )
     parser.add_argument("--target", help="vLLM whose patch state to record")
+    parser.add_argument(
+        "--served",
+        type=Path,
+        default=SERVED_DIR,
+        help="where `make serve RUN=1` recorded how each arm was started "
+        "(default: results/served)",
+    )
+
+
+def resolve_model_names(args: argparse.Namespace) -> None:
+    """Take ``--model`` (make's MODEL=) as the checkpoint, as ``make serve``
+    does; refuse its old meaning, the served model name, by the new name."""
+    if not args.model:
+        return
+    if "/" not in args.model and not Path(args.model).is_dir():
+        raise ServerError(
+            f"MODEL={args.model} (--model): MODEL= is the checkpoint directory, "
+            "as for `make serve`; the served model name is SERVED_MODEL= "
+            f"(--served-model-name, default {SERVED_MODEL_NAME}): set "
+            f"SERVED_MODEL={args.model} instead"
+        )
+    args.checkpoint = args.checkpoint or args.model
 
 
 class ServerError(Exception):
@@ -35,7 +77,7 @@ def get(url: str, timeout: float = 10) -> bytes:
 
 def serve_hint(arm: str) -> str:
     return (
-        f"make serve ARM={arm} NODE_RANK=0 MODEL=/path/to/Kimi-K3 "
+        f"make serve ARM={arm} NODE_RANK=0 CHECKPOINT=/path/to/Kimi-K3 "
         "MASTER_ADDR=... HOST_IP=... DEEPGEMM=... RUN=1 (and NODE_RANK=1 on "
         "the second node)"
     )
@@ -53,8 +95,8 @@ def check_server(base_url: str, model: str, arm: str) -> str:
         ) from error
     if model not in served:
         raise ServerError(
-            f"{url} serves {served}, not {model!r}: set MODEL= to the served "
-            f"model name (--served-model-name), or start the arm with: "
+            f"{url} serves {served}, not {model!r}: set SERVED_MODEL= to the "
+            f"served model name (--served-model-name), or start the arm with: "
             f"{serve_hint(arm)}"
         )
     try:

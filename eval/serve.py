@@ -2,7 +2,7 @@
 """Print, check and start one serving arm's `vllm serve` command on one node.
 
     .venv/bin/python -m eval.serve --arm mega-sp --node-rank 0 \\
-        --model /models/Kimi-K3 --master-addr 10.0.0.1 --host-ip 10.0.0.1 \\
+        --checkpoint /models/Kimi-K3 --master-addr 10.0.0.1 --host-ip 10.0.0.1 \\
         --deepgemm /opt/DeepGEMM
 
 (from this checkout's root, with Python 3.11 or newer, as vLLM 0.33.0 needs:
@@ -15,7 +15,9 @@ needs (vLLM importable by ``--python``; the GPUs vLLM sees, as many as one
 node's share of TP x PP; the model directory and its config; the addresses;
 the patch set applied where the arm needs it; DeepGEMM importable where the
 MegaMoE backend is asked for, DeepEP where the ``deepep_v2`` all-to-all is),
-says what is missing, and otherwise replaces this process with the server.
+says what is missing, and otherwise says which DeepGEMM the server will use,
+records the command and environment it starts under ``results/served/`` (the
+evaluation manifests copy it) and replaces this process with the server.
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ if sys.version_info < (3, 11):  # noqa: UP036 -- before tomllib, named below
     )
 
 import argparse
+import datetime
 import difflib
+import functools
+import json
 import os
+import platform
 import re
 import shlex
 import socket
@@ -45,6 +51,7 @@ import apply
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 ARMS_FILE = PROJECT_DIR / "eval" / "arms.toml"
+SERVED_DIR = PROJECT_DIR / "results" / "served"
 MEGA_MOE_BACKEND = "deep_gemm_mega_moe"
 DEEPEP_BACKEND = "deepep_v2"
 
@@ -92,6 +99,23 @@ else:
         sys.exit(reason)
 """
 
+# Run by the serving interpreter with the arm's environment: the DeepGEMM that
+# vLLM's _import_deep_gemm (vllm/utils/deep_gemm.py) would load: a deep_gemm
+# module on the path (PYTHONPATH=DEEPGEMM) first, else the copy bundled in the
+# wheel, vllm.third_party.deep_gemm.
+DEEP_GEMM_PROBE = """
+import importlib, os, sys
+try:
+    module, copy = importlib.import_module("deep_gemm"), "external"
+except ImportError as error:
+    try:
+        module = importlib.import_module("vllm.third_party.deep_gemm")
+    except Exception as bundled:
+        sys.exit(f"{error}; vLLM's bundled vllm.third_party.deep_gemm: {bundled}")
+    copy = "bundled"
+print("deep_gemm", copy, os.path.dirname(module.__file__))
+"""
+
 # Run by the serving interpreter with the arm's environment: the device vLLM
 # infers and how many of them it sees, by vLLM's own probe (its platform
 # plugins: NVML for CUDA; CUDA_VISIBLE_DEVICES counts). A platform of no
@@ -104,7 +128,7 @@ print("devices", kind or "none", current_platform.device_count() if kind else 0)
 
 # Placeholder -> (make variable, CLI option): what a user sets to fill it.
 PLACEHOLDERS = {
-    "model": ("MODEL", "--model"),
+    "checkpoint": ("CHECKPOINT", "--checkpoint"),
     "host_ip": ("HOST_IP", "--host-ip"),
     "node_rank": ("NODE_RANK", "--node-rank"),
     "master_addr": ("MASTER_ADDR", "--master-addr"),
@@ -112,11 +136,14 @@ PLACEHOLDERS = {
 }
 
 OPTION_HELP = {
-    "model": "local directory of the model's checkpoint (config.json, weights)",
+    "checkpoint": "local directory of the model's checkpoint (config.json, "
+    "weights); --model is the same (make serve: CHECKPOINT=, or MODEL= as in "
+    "the seed)",
     "host_ip": "this node's IP on the network the nodes share (VLLM_HOST_IP)",
     "node_rank": "0 on the head node, 1 on the second (it runs --headless)",
     "master_addr": "node rank 0's address, the same on every node",
-    "deepgemm": "a DeepGEMM build put on PYTHONPATH; needed by MegaMoE arms only",
+    "deepgemm": "a DeepGEMM build put on the PYTHONPATH of every arm, as the "
+    "seed does; without it vLLM serves its bundled copy",
 }
 
 
@@ -131,6 +158,9 @@ class Arm:
     description: str
     drop: tuple[str, ...]
     needs_patch_set: bool
+    rename_env: dict[str, str]
+    undefined_env: frozenset[str]
+    variant_of: str | None
 
 
 @dataclass(frozen=True)
@@ -162,14 +192,27 @@ def load_arms() -> tuple[dict, dict[str, Arm]]:
             description=spec["description"],
             drop=tuple(spec.get("drop", ())),
             needs_patch_set=spec.get("needs_patch_set", False),
+            rename_env=dict(spec.get("rename_env", {})),
+            undefined_env=frozenset(spec.get("undefined_env", ())),
+            variant_of=spec.get("variant_of"),
         )
         for name, spec in data["arms"].items()
     }
     flags = {words[0] for words in data["serve"]["args"]}
+    names = {name for name, _ in data["serve"]["env"]}
     for arm in arms.values():
         if unknown := sorted(set(arm.drop) - flags):
             raise ServeError(
                 f"{ARMS_FILE}: arm {arm.name} drops unknown flags {unknown}"
+            )
+        if unknown := sorted(set(arm.rename_env) - names):
+            raise ServeError(
+                f"{ARMS_FILE}: arm {arm.name} renames unknown variables {unknown}"
+            )
+        if arm.variant_of is not None and arm.variant_of not in arms:
+            raise ServeError(
+                f"{ARMS_FILE}: arm {arm.name} is a variant of unknown arm "
+                f"{arm.variant_of!r}"
             )
     return data["serve"], arms
 
@@ -201,13 +244,13 @@ def asks_mega_moe(args: list[list[str]]) -> bool:
 def build(arm_name: str, values: dict[str, str]) -> ServeCommand:
     """The arm's command for one node; ``values`` fills the placeholders.
 
-    DeepGEMM is asked for only by an arm that uses the MegaMoE backend; without
-    a ``deepgemm`` value the other arms leave out what it would fill
-    (``PYTHONPATH``)."""
+    DeepGEMM is optional for every arm, as in the seed: given, it is on every
+    arm's ``PYTHONPATH``; without it no arm sets ``PYTHONPATH`` and vLLM
+    serves the copy bundled in its wheel (``preflight`` says which)."""
     serve, _ = load_arms()
     arm = get_arm(arm_name)
     args = [words for words in serve["args"] if words[0] not in arm.drop]
-    optional = set() if asks_mega_moe(args) else {"deepgemm"}
+    optional = {"deepgemm"}
     given = {k for k in PLACEHOLDERS if str(values.get(k, "")).strip()}
     if missing := [k for k in PLACEHOLDERS if k not in given | optional]:
         raise ServeError(
@@ -220,11 +263,11 @@ def build(arm_name: str, values: dict[str, str]) -> ServeCommand:
         raise ServeError(f"NODE_RANK must be 0 or more, not {values['node_rank']!r}")
     values = {k: str(values.get(k, "")) for k in PLACEHOLDERS}
     env = tuple(
-        (name, fill(value, values))
+        (arm.rename_env.get(name, name), fill(value, values))
         for name, value in serve["env"]
         if fill(value, values)
     )
-    argv = ["vllm", "serve", values["model"]]
+    argv = ["vllm", "serve", values["checkpoint"]]
     for words in args:
         argv += [fill(w, values) for w in words]
     if int(values["node_rank"]) > 0:
@@ -232,13 +275,66 @@ def build(arm_name: str, values: dict[str, str]) -> ServeCommand:
     return ServeCommand(env, tuple(argv))
 
 
-def served_as(arm_name: str) -> dict:
-    """What result manifests record of how the arm is served: its head-node
-    command and, by name, the environment it sets (PYTHONPATH included), each
-    node's own value left as ``<MAKEVAR>``."""
+def served_record(arm_name: str, served: Path = SERVED_DIR) -> Path:
+    """Where ``--run`` on node rank 0 records how it started the arm."""
+    return served / f"{arm_name}.json"
+
+
+def served_as(arm_name: str, served: Path = SERVED_DIR) -> dict:
+    """What result manifests record of how the arm is served: the head node's
+    command and environment as ``--run`` started them (its record, copied),
+    or, where this checkout did not start the arm, the arms file's command
+    with each node's own value left as ``<MAKEVAR>``."""
+    path = served_record(arm_name, served)
+    if path.is_file():
+        record = json.loads(path.read_text())
+        return {
+            "serve_command": record["serve_command"],
+            "serve_env": record["serve_env"],
+            "served_record": {"path": str(path), **record},
+        }
+    command = declared(arm_name)
+    return {
+        "serve_command": command.shell(),
+        "serve_env": dict(command.env),
+        "served_record": None,
+    }
+
+
+def declared(arm_name: str) -> ServeCommand:
+    """The arm's head-node command as the arms file says it, each node's own
+    values left as ``<MAKEVAR>``."""
     values = {key: f"<{make}>" for key, (make, _) in PLACEHOLDERS.items()}
-    command = build(arm_name, {**values, "node_rank": "0"})
-    return {"serve_command": command.shell(), "serve_env": dict(command.env)}
+    return build(arm_name, {**values, "node_rank": "0"})
+
+
+def record_start(
+    arm: Arm, command: ServeCommand, deep_gemm: str, served: Path = SERVED_DIR
+) -> Path:
+    """Write what node rank 0 is about to serve, for ``served_as``."""
+    path = served_record(arm.name, served)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "arm": arm.name,
+        "serve_command": command.shell(),
+        "serve_env": dict(command.env),
+        "deep_gemm": deep_gemm,
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "host": platform.node(),
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def differences(arm: Arm) -> str | None:
+    """How a variant differs from the arm it is a variant of, for reports."""
+    if arm.variant_of is None:
+        return None
+    base = get_arm(arm.variant_of)
+    changes = [f"{new} for {old}" for old, new in arm.rename_env.items()] + [
+        f"without {flag}" for flag in sorted(set(arm.drop) - set(base.drop))
+    ]
+    return f"{arm.label} is {base.label} with {', '.join(changes)}: {arm.description}"
 
 
 def flag_value(command: ServeCommand, flag: str) -> str | None:
@@ -279,13 +375,17 @@ def defined_env(command: ServeCommand, python: str) -> frozenset[str]:
 
 
 def undefined_env(
-    command: ServeCommand, defined: frozenset[str], python: str
+    command: ServeCommand,
+    defined: frozenset[str],
+    python: str,
+    accepted: frozenset[str] = frozenset(),
 ) -> list[str]:
     """A line for each ``VLLM_*`` variable of the arm that vLLM does not define,
-    with the defined names closest to it."""
+    with the defined names closest to it; ``accepted`` names are let through
+    (an arm that replays a command verbatim)."""
     problems = []
     for name, _ in command.env:
-        if not name.startswith("VLLM_") or name in defined:
+        if not name.startswith("VLLM_") or name in defined | accepted:
             continue
         # Several names: the closest by spelling need not be the one meant
         # (the seed's VLLM_KIMI_K3_GEMM_RS is nearest VLLM_KIMI_K3_GEMM_AR).
@@ -345,17 +445,18 @@ def model_problems(model: str) -> list[str]:
     """Why ``model`` is not a local model directory vLLM can load."""
     path = Path(model)
     fix = (
-        "set MODEL= (--model) to the local directory of Kimi K3's Hugging "
-        "Face checkpoint (config.json and *.safetensors), on every node"
+        "set CHECKPOINT= (--checkpoint; MODEL= as in the seed) to the local "
+        "directory of Kimi K3's Hugging Face checkpoint (config.json and "
+        "*.safetensors), on every node"
     )
     if not path.is_dir():
-        return [f"MODEL={model} is not a directory on this node: {fix}"]
+        return [f"CHECKPOINT={model} is not a directory on this node: {fix}"]
     if not (path / "config.json").is_file():
-        return [f"MODEL={model} holds no config.json: {fix}"]
+        return [f"CHECKPOINT={model} holds no config.json: {fix}"]
     if not any(path.glob("*.safetensors")):
         return [
-            f"MODEL={model} holds no *.safetensors weights (the arms load with "
-            f"--load-format fastsafetensors): {fix}"
+            f"CHECKPOINT={model} holds no *.safetensors weights (the arms load "
+            f"with --load-format fastsafetensors): {fix}"
         ]
     return []
 
@@ -443,16 +544,7 @@ def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
             f"`make apply VLLM={vllm_dir}`\n{apply.status_text(status)}"
         )
     env = served_env(command)
-    if MEGA_MOE_BACKEND in (flag_value(command, "--kernel-config") or ""):
-        deep_gemm = subprocess.run(
-            [python, "-c", "import deep_gemm"], env=env, capture_output=True, text=True
-        )
-        if deep_gemm.returncode != 0:
-            problems.append(
-                f"the {MEGA_MOE_BACKEND} backend needs DeepGEMM, which {python} "
-                f"cannot import with PYTHONPATH={env.get('PYTHONPATH', '')}: set "
-                "DEEPGEMM= (--deepgemm) to a DeepGEMM build"
-            )
+    problems += deep_gemm_problems(command, python)
     if flag_value(command, "--all2all-backend") == DEEPEP_BACKEND:
         deep_ep = subprocess.run(
             [python, "-c", DEEP_EP_PROBE], env=env, capture_output=True, text=True
@@ -466,6 +558,59 @@ def preflight(arm: Arm, command: ServeCommand, python: str) -> list[str]:
     return problems
 
 
+@functools.cache
+def deep_gemm_copy(python: str, env: tuple[tuple[str, str], ...]) -> tuple[str, str]:
+    """Which DeepGEMM vLLM under ``python`` loads with ``env``: ("external" or
+    "bundled", its directory), or ("none", why)."""
+    probe = subprocess.run(
+        [python, "-c", DEEP_GEMM_PROBE], env=dict(env), capture_output=True, text=True
+    )
+    answer = [ln for ln in probe.stdout.splitlines() if ln.startswith("deep_gemm ")]
+    if probe.returncode != 0 or not answer:
+        return "none", last_line(probe, "no answer")
+    _, copy, where = answer[-1].split(" ", 2)
+    return copy, where
+
+
+def deep_gemm_used(command: ServeCommand, python: str) -> str:
+    """A line saying which DeepGEMM the server will load."""
+    copy, where = deep_gemm_copy(python, tuple(served_env(command).items()))
+    given = dict(command.env).get("PYTHONPATH")
+    if copy == "bundled":
+        return f"vLLM's bundled copy, vllm.third_party.deep_gemm ({where})"
+    if copy == "external":
+        source = f"PYTHONPATH={given}" if given else "not DEEPGEMM="
+        return f"deep_gemm from {where} ({source}; vLLM prefers it to its bundled copy)"
+    return f"none ({where})"
+
+
+def deep_gemm_problems(command: ServeCommand, python: str) -> list[str]:
+    """Why the DeepGEMM this server would load is not the one asked for: none
+    where the MegaMoE backend needs it, or not the DEEPGEMM= build given."""
+    copy, where = deep_gemm_copy(python, tuple(served_env(command).items()))
+    given = dict(command.env).get("PYTHONPATH")
+    if copy == "none" and MEGA_MOE_BACKEND in (
+        flag_value(command, "--kernel-config") or ""
+    ):
+        return [
+            f"the {MEGA_MOE_BACKEND} backend needs DeepGEMM, which {python} "
+            f"cannot import with PYTHONPATH={given or ''} ({where}): set "
+            "DEEPGEMM= (--deepgemm) to a DeepGEMM build, or install vLLM with "
+            "its bundled copy"
+        ]
+    inside = copy == "external" and Path(where).resolve().is_relative_to(
+        Path(given or "/").resolve()
+    )
+    if given and not inside:
+        return [
+            f"DEEPGEMM={given} holds no deep_gemm that {python} imports: vLLM "
+            f"would load {deep_gemm_used(command, python)}; set DEEPGEMM= to "
+            "the directory that holds the deep_gemm package, or leave it empty "
+            "for vLLM's bundled copy"
+        ]
+    return []
+
+
 def run(command: ServeCommand, python: str) -> None:
     """Replace this process with the server, ``vllm`` taken from ``python``'s
     environment."""
@@ -477,14 +622,24 @@ def run(command: ServeCommand, python: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--arm", required=True, help="the serving arm: mega-sp, fi-ep or fi-noep"
+        "--arm", required=True, help="the serving arm, one of eval/arms.toml"
     )
     for key, (_, option) in PLACEHOLDERS.items():
-        parser.add_argument(option, dest=key, default="", help=OPTION_HELP[key])
+        aliases = ["--model"] if key == "checkpoint" else []
+        parser.add_argument(
+            option, *aliases, dest=key, default="", help=OPTION_HELP[key]
+        )
     parser.add_argument(
         "--python",
         default=str(PROJECT_DIR / ".venv" / "bin" / "python"),
         help="python of the environment that serves vLLM 0.33.0 (default: .venv's)",
+    )
+    parser.add_argument(
+        "--served",
+        type=Path,
+        default=SERVED_DIR,
+        help="where --run on node rank 0 records the command and environment "
+        "it starts, for the evaluation manifests (default: results/served)",
     )
     parser.add_argument(
         "--run",
@@ -500,12 +655,19 @@ def main(argv: list[str] | None = None) -> int:
     except ServeError as error:
         print(f"serve: {error}", file=sys.stderr)
         return 1
-    if undefined := undefined_env(command, defined, args.python):
+    if undefined := undefined_env(command, defined, args.python, arm.undefined_env):
         for problem in undefined:
             print(f"serve: {problem}", file=sys.stderr)
         return 1
     print(f"# {arm.label}: {arm.description}, node rank {args.node_rank}")
     print(command.shell(), flush=True)
+    for name in sorted(arm.undefined_env - defined):
+        print(
+            f"serve: {name} is not a variable the vLLM of {args.python} defines; "
+            f"arm {arm.name} sets it as its source command did, so vLLM warns "
+            "and runs as if it were unset",
+            file=sys.stderr,
+        )
     if not args.run:
         print(
             "serve: printed only, nothing was started; RUN=1 (--run) checks "
@@ -517,6 +679,11 @@ def main(argv: list[str] | None = None) -> int:
         for problem in problems:
             print(f"serve: {problem}", file=sys.stderr)
         return 1
+    deep_gemm = deep_gemm_used(command, args.python)
+    print(f"serve: DeepGEMM: {deep_gemm}", file=sys.stderr)
+    if int(args.node_rank) == 0:
+        path = record_start(arm, command, deep_gemm, args.served)
+        print(f"serve: recorded in {path}", file=sys.stderr)
     sys.stdout.flush()
     run(command, args.python)
     return 0  # not reached: exec

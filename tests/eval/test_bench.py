@@ -258,7 +258,7 @@ def sweep(
     # A shell's background job ignores SIGINT, and so would the sweep.
     return subprocess.run(
         [sys.executable, "-m", "eval.bench", "--results", str(results), "run",
-         "--arm", "mega-sp", "--base-url", url, "--model", "Kimi-K3",
+         "--arm", "mega-sp", "--base-url", url, "--served-model-name", "Kimi-K3",
          "--tokenizer", "/models/Kimi-K3", "--vllm", str(vllm),
          "--points", points, *extra],
         cwd=bench.PROJECT_DIR,
@@ -424,7 +424,7 @@ def test_real_vllm_bench_serve_result_feeds_the_report(tmp_path, capsys):
     with serving("Kimi-K3") as url:
         proc = subprocess.run(
             [sys.executable, "-m", "eval.bench", "--results", str(results), "run",
-             "--arm", "fi-ep", "--base-url", url, "--model", "Kimi-K3",
+             "--arm", "fi-ep", "--base-url", url, "--served-model-name", "Kimi-K3",
              "--tokenizer", str(tokenizer), "--points", "128x1"],
             cwd=bench.PROJECT_DIR,
             env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
@@ -507,14 +507,14 @@ def test_points_choose_within_the_chosen_sweep():
 def run_args(*extra: str) -> list[str]:
     return [
         "run", "--arm", "fi-ep", "--base-url", "http://127.0.0.1:9",
-        "--model", "Kimi-K3", *extra,
+        "--served-model-name", "Kimi-K3", *extra,
     ]  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
-        (["--tokenizer", ""], "TOKENIZER= is empty"),
+        (["--tokenizer", ""], "no tokenizer: set CHECKPOINT="),
         (
             ["--tokenizer", "/models/Kimi-K3", "--sweep", "all", "--points", "128x1"],
             "POINTS picks points of one sweep",
@@ -538,7 +538,7 @@ def test_refused_before_the_server_is_contacted(monkeypatch, capsys, extra, mess
 @pytest.mark.parametrize(
     ("make_vars", "message"),
     [
-        ([], "bench: TOKENIZER= is empty"),
+        ([], "bench: no tokenizer: set CHECKPOINT="),
         (["TOKENIZER=/models/Kimi-K3", "SWEEP=all", "POINTS=128x1"], "bench: POINTS"),
         (["TOKENIZER=/models/Kimi-K3", "REPEAT=0"], "bench: REPEAT=0"),
     ],
@@ -548,7 +548,7 @@ def test_make_bench_says_what_is_wrong_before_contacting_the_server(make_vars, m
     """Nothing listens on port 9: a contacted server would fail otherwise."""
     proc = subprocess.run(
         ["make", "-s", "bench", "ARM=fi-ep", "BASE_URL=http://127.0.0.1:9",
-         "MODEL=Kimi-K3", *make_vars],
+         "SERVED_MODEL=Kimi-K3", *make_vars],
         cwd=bench.PROJECT_DIR, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert proc.returncode != 0
@@ -780,7 +780,7 @@ def decode_sweep(tmp_path_factory):
     with serving("Kimi-K3", itl_s=0.001) as url:
         run = subprocess.run(
             [sys.executable, "-m", "eval.bench", "--results", str(results), "run",
-             "--arm", "fi-ep", "--base-url", url, "--model", "Kimi-K3",
+             "--arm", "fi-ep", "--base-url", url, "--served-model-name", "Kimi-K3",
              "--tokenizer", str(tokenizer), "--sweep", "decode",
              "--points", "1024x1,1024x8"],
             cwd=bench.PROJECT_DIR, env=env, capture_output=True, text=True,

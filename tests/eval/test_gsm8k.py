@@ -228,7 +228,7 @@ def test_compare_without_the_baseline_says_which_run_is_missing(tmp_path, capsys
 def start_arm(results: Path, arm: str, url: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "eval.gsm8k", "--results", str(results), "run",
-         "--arm", arm, "--base-url", url, "--model", "Kimi-K3",
+         "--arm", arm, "--base-url", url, "--served-model-name", "Kimi-K3",
          "--data", str(DATA)],
         cwd=gsm8k.PROJECT_DIR,
         env={**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"},

@@ -22,7 +22,7 @@ from eval import serve
 
 DATA = Path(__file__).parent / "data"
 VALUES = {
-    "model": "/models/Kimi-K3",
+    "checkpoint": "/models/Kimi-K3",
     "host_ip": "10.0.0.2",
     "master_addr": "10.0.0.1",
     "deepgemm": "/opt/DeepGEMM",
@@ -34,7 +34,10 @@ SEED_REMOVALS = {
     "mega-sp": [],
     "fi-ep": ["--kernel-config"],
     "fi-noep": ["--kernel-config", "--enable-expert-parallel", "--all2all-backend"],
+    "mega-sp-seed": [],
 }
+# The arm that replays the seed's environment names too.
+VERBATIM = {"mega-sp-seed"}
 # The one intended difference from the seed's command. vLLM 0.33.0 does not
 # define the seed's GEMM-RS variable (it would only warn, and MegaMoE+SP would
 # run without GEMM-RS); it reads VLLM_ENABLE_GEMM_RS for Kimi K3 under SP.
@@ -56,7 +59,7 @@ def seed_command(node_rank: int) -> tuple[list[tuple[str, str]], list[str]]:
     text = (DATA / "seed_serve.sh").read_text()
     command = text[text.index("PYTHONPATH=") :].replace("\\\n", " ")
     variables = {
-        "MODEL": VALUES["model"],
+        "MODEL": VALUES["checkpoint"],
         "HOST_IP": VALUES["host_ip"],
         "MASTER_ADDR": VALUES["master_addr"],
         "NODE_RANK": str(node_rank),
@@ -88,7 +91,8 @@ def without(argv: list[str], flags: list[str]) -> list[str]:
 def test_each_arm_is_the_seed_command_for_each_node(arm, node_rank):
     env, argv = seed_command(node_rank)
     command = serve.build(arm, {**VALUES, "node_rank": str(node_rank)})
-    assert list(command.env) == [(RENAMED.get(name, name), v) for name, v in env]
+    renamed = {} if arm in VERBATIM else RENAMED
+    assert list(command.env) == [(renamed.get(name, name), v) for name, v in env]
     assert list(command.argv) == without(argv, SEED_REMOVALS[arm])
     assert ("--headless" in command.argv) == (node_rank == 1)
 
@@ -106,7 +110,12 @@ def test_the_renamed_variable_is_the_seeds_and_only_the_new_name_is_defined():
 def test_every_variable_of_the_arm_is_defined_by_the_installed_vllm(arm):
     command = serve.build(arm, {**VALUES, "node_rank": "0"})
     defined = serve.defined_env(command, sys.executable)
-    assert serve.undefined_env(command, defined, sys.executable) == []
+    accepted = serve.get_arm(arm).undefined_env
+    assert serve.undefined_env(command, defined, sys.executable, accepted) == []
+    # Only the verbatim arm sets a name 0.33.0 does not read: the seed's.
+    assert accepted - defined == (
+        {"VLLM_KIMI_K3_GEMM_RS"} if arm in VERBATIM else set()
+    )
 
 
 def test_the_seeds_variable_is_refused_naming_the_one_meant():
@@ -118,9 +127,10 @@ def test_the_seeds_variable_is_refused_naming_the_one_meant():
     assert "VLLM_ENABLE_GEMM_RS" in problem.split("closest defined: ")[1]
 
 
-@pytest.mark.parametrize("arm", sorted(SEED_REMOVALS))
-def test_manifests_record_the_environment_each_arm_is_served_with(arm):
-    served = serve.served_as(arm)
+@pytest.mark.parametrize("arm", sorted(set(SEED_REMOVALS) - VERBATIM))
+def test_manifests_record_the_environment_each_arm_is_served_with(arm, tmp_path):
+    served = serve.served_as(arm, tmp_path)
+    assert served["served_record"] is None
     # In the order the command sets it.
     assert list(served["serve_env"].items()) == list(SERVED_ENV.items())
     words = shlex.split(served["serve_command"].replace("\\\n", " "))
@@ -136,10 +146,9 @@ def test_printed_command_is_what_bash_would_run(arm):
 
 def test_missing_values_are_named_with_their_make_variables():
     with pytest.raises(serve.ServeError) as error:
-        serve.build("mega-sp", {"model": "/m", "node_rank": "0"})
+        serve.build("mega-sp", {"checkpoint": "/m", "node_rank": "0"})
     assert str(error.value) == (
-        "missing HOST_IP= (--host-ip), MASTER_ADDR= (--master-addr), "
-        "DEEPGEMM= (--deepgemm)"
+        "missing HOST_IP= (--host-ip), MASTER_ADDR= (--master-addr)"
     )
     with pytest.raises(serve.ServeError, match="set ARM= to one of"):
         serve.build("mega", {**VALUES, "node_rank": "0"})
@@ -193,7 +202,9 @@ def fake_python(
         (site / module / "__init__.py").write_text("")
     script = tmp_path / "python"
     # -S: nothing from the real site-packages (which holds the real vLLM).
-    script.write_text(f'#!/bin/sh\nPYTHONPATH={site} exec {sys.executable} -S "$@"\n')
+    # The arm's PYTHONPATH (DEEPGEMM=) after the stand-in's packages.
+    path = f"{site}${{PYTHONPATH:+:$PYTHONPATH}}"
+    script.write_text(f'#!/bin/sh\nPYTHONPATH={path} exec {sys.executable} -S "$@"\n')
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return str(script)
 
@@ -207,9 +218,10 @@ def ready_node(tmp_path: Path, node_rank: int = 0) -> dict[str, str]:
     (model / "model-00001-of-00001.safetensors").write_bytes(b"")
     return {
         **VALUES,
-        "model": str(model),
+        "checkpoint": str(model),
         "host_ip": "127.0.0.1",
         "master_addr": "127.0.0.1",
+        "deepgemm": "",  # vLLM's bundled copy, where the stand-in has one
         "node_rank": str(node_rank),
     }
 
@@ -227,6 +239,7 @@ def test_preflight_names_what_the_node_lacks(tmp_path):
     assert "needs the k3-sppp patch set" in problems[0]
     assert "make apply VLLM=" in problems[0]
     assert "needs DeepGEMM" in problems[1] and "DEEPGEMM=" in problems[1]
+    assert "bundled" in problems[1]
     assert problems[2].startswith("--all2all-backend deepep_v2 needs DeepEP")
     assert problems[2].endswith("No module named 'deep_ep'")
 
@@ -270,7 +283,7 @@ def serve_cli(
     python: str, *extra: str, values: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess:
     values = values or {
-        "model": "/m",
+        "checkpoint": "/m",
         "host_ip": "h",
         "master_addr": "m",
         "deepgemm": "/d",
@@ -395,17 +408,17 @@ def test_run_passes_with_one_nodes_share_of_the_gpus(tmp_path, monkeypatch):
 )
 def test_run_names_what_the_model_directory_lacks(tmp_path, remove, said):
     values = ready_node(tmp_path)
-    model = Path(values["model"])
+    model = Path(values["checkpoint"])
     if remove == "directory":
-        values["model"] = str(tmp_path / "nowhere")
+        values["checkpoint"] = str(tmp_path / "nowhere")
     else:
         (model / remove).unlink()
     command = serve.build("fi-noep", values)
     (problem,) = serve.preflight(
         serve.get_arm("fi-noep"), command, fake_python(tmp_path)
     )
-    assert problem.startswith(f"MODEL={values['model']} {said}")
-    assert "set MODEL= (--model) to the local directory" in problem
+    assert problem.startswith(f"CHECKPOINT={values['checkpoint']} {said}")
+    assert "set CHECKPOINT= (--checkpoint; MODEL= as in the seed)" in problem
 
 
 @pytest.mark.parametrize(
@@ -428,12 +441,69 @@ def test_run_names_an_address_the_nodes_cannot_meet_at(
     assert problem.startswith(said)
 
 
-@pytest.mark.parametrize("arm", ["fi-ep", "fi-noep"])
-def test_the_flashinfer_arms_do_not_ask_for_deepgemm(arm):
-    command = serve.build(arm, {**VALUES, "deepgemm": "", "node_rank": "0"})
-    assert "PYTHONPATH" not in dict(command.env)
-    with pytest.raises(serve.ServeError, match=r"^missing DEEPGEMM= \(--deepgemm\)$"):
-        serve.build("mega-sp", {**VALUES, "deepgemm": "", "node_rank": "0"})
+@pytest.mark.parametrize("arm", sorted(SEED_REMOVALS))
+def test_deepgemm_is_on_every_arms_path_when_given_and_on_none_without(arm):
+    given = serve.build(arm, {**VALUES, "node_rank": "0"})
+    assert dict(given.env)["PYTHONPATH"] == VALUES["deepgemm"]
+    bare = serve.build(arm, {**VALUES, "deepgemm": "", "node_rank": "0"})
+    assert "PYTHONPATH" not in dict(bare.env)
+
+
+def bundled_python(tmp_path: Path) -> str:
+    """A stand-in vLLM whose wheel bundles deep_gemm, none on the path."""
+    python = fake_python(tmp_path)
+    bundled = tmp_path / "site" / "vllm" / "third_party" / "deep_gemm"
+    bundled.mkdir(parents=True)
+    (bundled.parent / "__init__.py").write_text("")
+    (bundled / "__init__.py").write_text("")
+    return python
+
+
+def test_without_deepgemm_the_bundled_copy_is_accepted_and_named(tmp_path):
+    python = bundled_python(tmp_path)
+    values = {**ready_node(tmp_path / "node"), "deepgemm": ""}
+    command = serve.build("mega-sp", values)
+    assert serve.deep_gemm_problems(command, python) == []
+    used = serve.deep_gemm_used(command, python)
+    assert used.startswith("vLLM's bundled copy, vllm.third_party.deep_gemm (")
+
+
+def test_a_deepgemm_that_is_not_imported_from_is_refused(tmp_path):
+    python = bundled_python(tmp_path)
+    values = {**ready_node(tmp_path / "node"), "deepgemm": str(tmp_path / "DG")}
+    (problem,) = serve.deep_gemm_problems(serve.build("fi-ep", values), python)
+    assert problem.startswith(f"DEEPGEMM={tmp_path / 'DG'} holds no deep_gemm")
+    assert "vLLM's bundled copy" in problem
+    # With the package there, it is the one vLLM prefers.
+    (tmp_path / "DG" / "deep_gemm").mkdir(parents=True)
+    (tmp_path / "DG" / "deep_gemm" / "__init__.py").write_text("")
+    serve.deep_gemm_copy.cache_clear()  # one probe per process, as a start is
+    command = serve.build("fi-ep", values)
+    assert serve.deep_gemm_problems(command, python) == []
+    assert serve.deep_gemm_used(command, python).startswith(
+        f"deep_gemm from {tmp_path / 'DG' / 'deep_gemm'} (PYTHONPATH="
+    )
+
+
+def test_a_start_is_recorded_and_manifests_copy_it(tmp_path):
+    values = {**ready_node(tmp_path / "node"), "deepgemm": ""}
+    command = serve.build("mega-sp", values)
+    arm = serve.get_arm("mega-sp")
+    serve.record_start(arm, command, "vLLM's bundled copy", tmp_path)
+    served = serve.served_as("mega-sp", tmp_path)
+    assert served["serve_env"] == dict(command.env)
+    assert "PYTHONPATH" not in served["serve_env"]  # what was served, not <DEEPGEMM>
+    assert served["served_record"]["deep_gemm"] == "vLLM's bundled copy"
+
+
+def test_the_seed_arm_names_its_difference_from_ours():
+    note = serve.differences(serve.get_arm("mega-sp-seed"))
+    assert note.startswith(
+        "MegaMoE+SP (seed) is MegaMoE+SP with VLLM_KIMI_K3_GEMM_RS for "
+        "VLLM_ENABLE_GEMM_RS: "
+    )
+    assert "GEMM-RS off" in note
+    assert serve.differences(serve.get_arm("mega-sp")) is None
 
 
 def test_serve_parses_as_python_3_9_up_to_its_version_check():
