@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-HELP_DESCRIPTION = 'Apply, revert and inspect the k3-sppp patch set on a vLLM tree.'
+HELP_DESCRIPTION = "Apply, revert and inspect the k3-sppp patch set on a vLLM tree."
 HELP_EPILOG = """\
 A *target* is a directory that contains the ``vllm/`` package: a
 ``site-packages`` directory (the default is this project's ``.venv``), a vLLM
@@ -49,9 +49,11 @@ Exit codes:
     1    error; no file of the target was changed
     2    usage error
     3    ``status``: not applied
-    4    base files differ from the pin (``status``: or another vLLM
-         version), or patched files changed since apply or are not the
-         reviewed result (``patches/patched.sha256``)
+    4    base files differ from the pin or another vLLM version is there
+         (``apply``, ``check``, ``status``), patched files changed or
+         deleted since apply or are not the reviewed result
+         (``patches/patched.sha256``), or a backup ``revert`` needs is
+         missing or corrupt
     5    ``status``: an interrupted apply or revert, what it left, or a
          lost journal with backups of vLLM files; ``apply``/``revert``:
          stopped part-way (the message names the command that finishes
@@ -2252,9 +2254,7 @@ def status_of(report: dict, target_path: Path | None) -> None:
     require_clean(patch_set)  # no pin to compare against otherwise
     target = resolve_target(target_path, patch_set.root)
     report["target"] = str(target.root)
-    if target.state_dir.is_dir() and not os.access(
-        target.state_dir, os.R_OK | os.X_OK
-    ):
+    if target.state_dir.is_dir() and not os.access(target.state_dir, os.R_OK | os.X_OK):
         raise ApplyError(
             f"{target.state_dir}: private to its owner (uid "
             f"{target.state_dir.stat().st_uid}); ask as that user or root"
