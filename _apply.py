@@ -2762,7 +2762,12 @@ def cmd_devtree(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, args.patch_set)
     repo = args.dir.resolve()
     if repo.exists() and any(repo.iterdir()):
-        raise ApplyError(f"{repo}: exists and is not empty")
+        raise ApplyError(
+            f"{repo}: exists and is not empty; devtree makes a new one. If a "
+            f"devtree run was stopped there, remove it (`rm -rf -- "
+            f"{shlex.quote(str(repo))}`) and run devtree again; else name "
+            "another directory"
+        )
     repo.mkdir(parents=True, exist_ok=True)
     source = pristine_source(target)
     overlay = set(patch_set.overlay)

@@ -227,7 +227,11 @@ def fails_cleanly(
 def test_wrong_vllm_version_is_refused(tool, target):
     set_version(target, "0.34.0")
     fails_cleanly(
-        tool, target, "apply", "vLLM 0.34.0 found, the patch set is pinned to 0.33.0"
+        tool,
+        target,
+        "apply",
+        "vLLM 0.34.0 found, the patch set is pinned to 0.33.0",
+        code=apply.EXIT_DRIFT,
     )
 
 

@@ -236,3 +236,15 @@ def test_state_is_private_whatever_the_umask(patch_set, small_target):
     ):
         assert stat.S_IMODE(path.stat().st_mode) == mode, path
     assert json.loads((state / "journal.json").read_text())["state"] == "applied"
+
+
+def test_a_stopped_devtree_names_how_to_clean_it(small_tool, tmp_path):
+    tree = tmp_path / "dev $(touch x) tree"
+    (tree / "vllm").mkdir(parents=True)  # what a killed devtree leaves
+    (tree / "vllm" / "__init__.py").write_text("")
+    proc = small_tool("devtree", str(tree))
+    assert proc.returncode == apply.EXIT_ERROR
+    command = quoted_command(proc.stderr, "rm -rf")
+    subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True)
+    assert not tree.exists() and not (tmp_path / "x").exists()
+    ok(small_tool("devtree", str(tree)))
