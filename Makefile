@@ -61,7 +61,9 @@ PYTHON ?= $(call pin,python)
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.k3-sppp-setup
-TARGET := $(if $(VLLM),--target "$(VLLM)")
+# The path reaches apply.py through the environment (make exports VLLM),
+# never through the recipe's text: the shell sees no quote, backtick or $ of it.
+TARGET := $(if $(VLLM),--target="$$VLLM")
 APPLY := python3 apply.py
 PYTEST_ARGS ?=
 

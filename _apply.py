@@ -1,42 +1,7 @@
 """Apply, revert and inspect the k3-sppp patch set on a vLLM tree.
 
-A *target* is a directory that contains the ``vllm/`` package: a
-``site-packages`` directory (the default is this project's ``.venv``), a vLLM
-git checkout root, or a virtual environment (its ``site-packages`` is used).
-
-Every write goes through one transaction, for ``apply`` and ``revert``
-alike: everything is checked and staged first (for apply: the series applied
-to copies, every result hashed and compiled by the target's Python), then a
-journal in ``<target>/.k3_sppp/`` records the run before files are swapped in
-with ``os.replace`` under a lock.  Each file is therefore either
-byte-identical to vLLM 0.33.0 or byte-identical to the patched result, and the
-next ``apply`` or ``revert`` finishes a run that was stopped; ``status``
-verifies which state a tree is in.
-
-Exit codes:
-    0    success (``status``: applied, this revision, no drift)
-    1    error; no file of the target was changed
-    2    usage error
-    3    ``status``: not applied
-    4    base files differ from the pin (``status``: or another vLLM
-         version), or patched files changed since apply or are not the
-         reviewed result (``patches/patched.sha256``)
-    5    ``status``: an interrupted apply or revert, what it left, or a
-         lost journal with backups of vLLM files; ``apply``/``revert``:
-         stopped part-way (the message names the command that finishes
-         it), or finished but could not remove its stage directory or lock
-         (the next run removes them)
-    6    ``status``: applied from a different revision of the patch set
-    7    ``apply``: finished an interrupted run (the target is vLLM again,
-         files changed), then failed before applying
-    130  interrupted (Ctrl-C); ``status`` says where it stopped
-
-Other programs read ``status --json``: one JSON object whose schema
-``status()`` documents (``schema_version`` 1).  Python code imports
-``apply.py`` (which refuses Pythons older than 3.9, then re-exports this
-module's ``__all__``) and uses only those names; each takes ``target`` and
-``patch_set`` as ``--target`` and ``--patch-set`` do.  The patch set names
-the vLLM version it applies to in ``patches/base.version``.
+What ``--help`` prints is ``HELP_EPILOG`` below, not this docstring:
+``python3 -OO`` drops docstrings, and no behaviour may depend on one.
 """
 
 from __future__ import annotations
@@ -63,6 +28,49 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
+
+HELP_DESCRIPTION = "Apply, revert and inspect the k3-sppp patch set on a vLLM tree."
+HELP_EPILOG = """\
+A *target* is a directory that contains the ``vllm/`` package: a
+``site-packages`` directory (the default is this project's ``.venv``), a vLLM
+git checkout root, or a virtual environment (its ``site-packages`` is used).
+
+Every write goes through one transaction, for ``apply`` and ``revert``
+alike: everything is checked and staged first (for apply: the series applied
+to copies, every result hashed and compiled by the target's Python), then a
+journal in ``<target>/.k3_sppp/`` records the run before files are swapped in
+with ``os.replace`` under a lock.  Each file is therefore either
+byte-identical to vLLM 0.33.0 or byte-identical to the patched result, and the
+next ``apply`` or ``revert`` finishes a run that was stopped; ``status``
+verifies which state a tree is in.
+
+Exit codes:
+    0    success (``status``: applied, this revision, no drift)
+    1    error; no file of the target was changed
+    2    usage error
+    3    ``status``: not applied
+    4    base files differ from the pin or another vLLM version is there
+         (``apply``, ``check``, ``status``), patched files changed or
+         deleted since apply or are not the reviewed result
+         (``patches/patched.sha256``), or a backup ``revert`` needs is
+         missing or corrupt
+    5    ``status``: an interrupted apply or revert, what it left, or a
+         lost journal with backups of vLLM files; ``apply``/``revert``:
+         stopped part-way (the message names the command that finishes
+         it), or finished but could not remove its stage directory or lock
+         (the next run removes them)
+    6    ``status``: applied from a different revision of the patch set
+    7    ``apply``: finished an interrupted run (the target is vLLM again,
+         files changed), then failed before applying
+    130  interrupted (Ctrl-C); ``status`` says where it stopped
+
+Other programs read ``status --json``: one JSON object whose schema
+``status()`` documents (``schema_version`` 1).  Python code imports
+``apply.py`` (which refuses Pythons older than 3.9, then re-exports this
+module's ``__all__``) and uses only those names; each takes ``target`` and
+``patch_set`` as ``--target`` and ``--patch-set`` do.  The patch set names
+the vLLM version it applies to in ``patches/base.version``.
+"""
 
 __all__ = [
     "DRIFT_SUFFIX",
@@ -98,6 +106,10 @@ EXIT_RECOVERED_ONLY = 7
 EXIT_CTRL_C = 130
 
 STATE_DIR = ".k3_sppp"
+# The state directory names files a revert overwrites, and root may run
+# that revert: it is its owner's alone, whatever the umask.
+PRIVATE_DIR = 0o700
+PRIVATE_FILE = 0o600
 JOURNAL = "journal.json"
 JOURNAL_FORMAT = 1
 JOURNAL_STATES = ("applying", "applied", "reverting")
@@ -223,7 +235,10 @@ def write_atomic(path: Path, data: bytes, mode: int | None = None) -> None:
     that the next run removes.
     """
     tmp = path.with_name(f".{path.name}{TMP_SUFFIX}")
-    with open(tmp, "wb") as f:
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()  # created anew below, with no other mode in between
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    with open(os.open(tmp, flags, 0o666 if mode is None else 0o600), "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -587,6 +602,7 @@ VLLM_VERBS = ("apply", "revert", "status", "check")  # the targets taking VLLM=
 # whatever directory it ran in.
 GENERATED_BY = "`make manifest` (`python3 apply.py manifest`)"
 MAKE_FLAGS = {"--force": "FORCE=1"}
+_MAKE_SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
 
 
 def default_root() -> Path | None:
@@ -602,7 +618,12 @@ def command_line(
     """The command that runs ``verb`` (with ``flags``) on ``target`` with
     ``patch_set``, as a user types it: this project's make target where the
     Makefile can say it (``VLLM=`` for another target), else ``python3
-    apply.py`` with the same ``--patch-set`` and ``--target``."""
+    apply.py`` with the same ``--patch-set`` and ``--target``.
+
+    Every word is quoted for the shell, and a path make would read as its
+    own syntax (``$``, quotes, whitespace: ``make_can_carry``) takes the
+    ``python3 apply.py`` form, where ``option`` keeps a leading dash a value.
+    """
     own = patch_set is None or Path(patch_set).resolve() == PROJECT_DIR
     here = False
     with contextlib.suppress(OSError):
@@ -612,15 +633,30 @@ def command_line(
         own
         and verb in (VLLM_VERBS if other else MAKE_VERBS)
         and all(flag in MAKE_FLAGS for flag in flags)
+        and (not other or make_can_carry(str(target)))
+        and (here or make_can_carry(str(PROJECT_DIR)))
     ):
         words = ["make"] if here else ["make", "-C", str(PROJECT_DIR)]
         words += [verb, *(MAKE_FLAGS[flag] for flag in flags)]
         words += [f"VLLM={target}"] if other else []
         return shlex.join(words)
     words = ["python3", "apply.py" if here else str(PROJECT_DIR / "apply.py")]
-    words += [] if own else ["--patch-set", str(patch_set)]
-    words += [verb, *flags, *(["--target", str(target)] if other else [])]
+    words += [] if own else option("--patch-set", str(patch_set))
+    words += [verb, *flags, *(option("--target", str(target)) if other else [])]
     return shlex.join(words)
+
+
+def option(name: str, value: str) -> list[str]:
+    """``name value`` as argparse reads it back: ``name=value`` when the
+    value starts with a dash and would be taken for an option."""
+    return [f"{name}={value}"] if value.startswith("-") else [name, value]
+
+
+def make_can_carry(path: str) -> bool:
+    """Whether ``path`` reaches apply.py unchanged as ``make VLLM=PATH``:
+    make expands ``$`` and splits on whitespace, so only the characters
+    that neither make nor the shell treats specially (shlex's own)."""
+    return _MAKE_SAFE.fullmatch(path) is not None
 
 
 @dataclass
@@ -652,22 +688,41 @@ class Target:
         return self.root / rel
 
     def version(self) -> str | None:
-        """vLLM version from ``vllm/_version.py`` or the wheel's METADATA."""
+        """vLLM version from ``vllm/_version.py`` and the wheel's METADATA.
+
+        Each says it where present and they must agree: a ``_version.py``
+        that names no version, or two that differ, is refused rather than
+        guessed (None only where neither is there, as in a bare checkout).
+        """
+        found: dict[str, str] = {}
         version_file = self.root / "vllm" / "_version.py"
-        if version_file.is_file():
-            match = re.search(
-                r"^__version__\s*=[^'\"\n]*['\"]([^'\"]+)['\"]",
-                version_file.read_text(encoding="utf-8", errors="replace"),
-                re.MULTILINE,
-            )
-            if match:
-                return match.group(1)
-        for metadata in self.root.glob("vllm-*.dist-info/METADATA"):
+        if os.path.lexists(version_file):
+            match = None
+            with contextlib.suppress(OSError):
+                match = re.search(
+                    r"^__version__\s*=[^'\"\n]*['\"]([^'\"]+)['\"]",
+                    version_file.read_text(encoding="utf-8", errors="replace"),
+                    re.MULTILINE,
+                )
+            if match is None:
+                raise ApplyError(
+                    f"{version_file}: names no __version__ (unreadable or "
+                    "broken); reinstall vLLM there, nothing was changed"
+                )
+            found[str(version_file)] = match.group(1)
+        for metadata in sorted(self.root.glob("vllm-*.dist-info/METADATA")):
             text = metadata.read_text(encoding="utf-8", errors="replace")
             for line in text.splitlines():
                 if line.startswith("Version:"):
-                    return line.split(":", 1)[1].strip()
-        return None
+                    found[str(metadata)] = line.split(":", 1)[1].strip()
+                    break
+        if len(set(found.values())) > 1:
+            raise ApplyError(
+                f"{self.root}: the vLLM version files disagree ("
+                + ", ".join(f"{path} says {v}" for path, v in found.items())
+                + "); reinstall vLLM there, nothing was changed"
+            )
+        return next(iter(found.values()), None)
 
     def interpreter(self) -> Path | None:
         """The Python that imports this vLLM: a venv's, or the prefix's own.
@@ -775,6 +830,7 @@ class Target:
         write_atomic(
             self.journal_path,
             (json.dumps(journal, indent=2, sort_keys=True) + "\n").encode(),
+            mode=PRIVATE_FILE,
         )
         self.adopt(self.journal_path)
 
@@ -986,9 +1042,9 @@ def take_lock(target: Target) -> int:
     """Create the state directory and take its lock; return the lock's fd."""
     while True:
         with contextlib.suppress(FileExistsError):
-            target.mkdir(target.state_dir)
+            target.mkdir(target.state_dir, mode=PRIVATE_DIR)
         try:
-            fd = os.open(target.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd = os.open(target.lock_path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE)
         except FileNotFoundError:
             continue  # the holder before us removed the directory; again
         try:
@@ -1336,7 +1392,8 @@ def check_version(target: Target, patch_set: PatchSet) -> str | None:
         raise ApplyError(
             f"{target.root}: vLLM {version} found, the patch set is pinned to "
             f"{base} ({patch_set.base_version_file}); install vllm=={base} there, "
-            f"or port the series (`{target.command('check')}` shows what fails)"
+            f"or port the series (`{target.command('check')}` shows what fails)",
+            code=EXIT_DRIFT,
         )
     return version
 
@@ -1421,17 +1478,14 @@ def plan_restore(
 ) -> Restore:
     """Check everything a restore needs, or raise before anything is written.
 
-    Refuses edited files (unless ``force``), a vLLM other than the one the
-    journal was written for (unless ``any_version``), a missing or corrupt
-    backup, and a destination this user cannot replace.
+    Refuses edited or deleted files (unless ``force``), a vLLM other than the
+    one the journal was written for (unless ``any_version``), a missing or
+    corrupt backup (exit 4, as ``status`` says), and a destination of the
+    wrong type or that this user cannot replace, or backups it cannot delete.
     """
-    version = target.version()
+    version = None if any_version else target.version()
     applied_to = journal["vllm_version"]
-    if (
-        not any_version
-        and version is not None
-        and applied_to not in (version, "unknown")
-    ):
+    if version is not None and applied_to not in (version, "unknown"):
         raise ApplyError(
             f"{target.root}: vLLM {version} is installed, but the patch set was "
             f"applied to vLLM {applied_to}; reverting would write {applied_to} "
@@ -1459,15 +1513,17 @@ def plan_restore(
             unknown.append(entry["path"])
         restore.append(entry)
     for entry in journal["overlay"]:
-        current = file_hash_or_none(target.path(entry["path"]))
-        if current is None:
+        path = target.path(entry["path"])
+        if not os.path.lexists(path):
+            if journal["state"] == "applied":  # deleted since apply
+                unknown.append(entry["path"])
             continue
-        if not known(entry, current):
+        if not known(entry, file_hash_or_none(path)):
             unknown.append(entry["path"])
         remove.append(entry["path"])
     if unknown and not force:
         raise ApplyError(
-            "changed since apply, refusing to overwrite: "
+            "changed or deleted since apply, refusing to overwrite: "
             + ", ".join(unknown)
             + f" (in {target.root}); `{target.command('revert', '--force')}` keeps "
             f"each edited file as FILE{DRIFT_SUFFIX} (never overwriting an "
@@ -1480,19 +1536,16 @@ def plan_restore(
         if (digest := file_hash_or_none(target.path(rel))) is not None
         and (rel in unknown or digest == kept_before.get(rel))
     }
-    problems = []
-    for entry in restore:
-        backup = target.state_dir / entry["backup"]
-        if file_hash_or_none(backup) != entry["base"]:
-            problems.append(
-                f"{backup}: the backup of {entry['path']} is missing or corrupt"
-            )
+    lost = lost_backups(target, restore)
+    problems = list(lost)
     for rel in [e["path"] for e in restore] + remove:
-        path = target.path(rel)
-        if not os.access(path.parent, os.W_OK | os.X_OK):
-            problems.append(f"{path.parent}: not writable by this user")
-        elif path.exists() and is_immutable(path):
-            problems.append(f"{path}: immutable or append-only (`chattr -i`)")
+        problems += destination_problems(target.path(rel))
+    for directory in (target.state_dir, target.state_dir / "backups"):
+        if directory.is_dir() and not os.access(directory, os.W_OK | os.X_OK):
+            problems.append(
+                f"{directory}: not writable by this user (revert deletes the "
+                "backups and the journal there last)"
+            )
     if problems:
         raise ApplyError(
             "cannot restore vLLM "
@@ -1500,9 +1553,34 @@ def plan_restore(
             + ", nothing was changed:\n  "
             + "\n  ".join(dict.fromkeys(problems))
             + f"\nfix these and run it again; a lost backup means reinstalling vLLM "
-            f"{applied_to} and deleting {target.state_dir}"
+            f"{applied_to} and deleting {target.state_dir}",
+            code=EXIT_DRIFT if lost else EXIT_ERROR,
         )
     return Restore(restore, remove, kept)
+
+
+def lost_backups(target: Target, entries: list[dict]) -> list[str]:
+    """The backups of ``entries`` that are missing or not their original."""
+    return [
+        f"{target.state_dir / e['backup']}: the backup of {e['path']} is missing "
+        "or corrupt"
+        for e in entries
+        if file_hash_or_none(target.state_dir / e["backup"]) != e["base"]
+    ]
+
+
+def destination_problems(path: Path) -> list[str]:
+    """Why ``path`` cannot be replaced by a file or removed, checked before
+    the first write: its directory, its type and its attributes."""
+    if not path.parent.is_dir():
+        return [f"{path.parent}: not a directory, where vLLM has one"]
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return [f"{path.parent}: not writable by this user"]
+    if os.path.isdir(path) and not path.is_symlink():
+        return [f"{path}: a directory where a file belongs; move it away"]
+    if path.exists() and is_immutable(path):
+        return [f"{path}: immutable or append-only (`chattr -i`)"]
+    return []
 
 
 def keep_edit(target: Target, rel: str, digest: str) -> None:
@@ -1671,7 +1749,7 @@ def swap_in(target: Target, stage: Path, journal: dict) -> None:
         target.write_journal(journal)
         backups = target.state_dir / "backups"
         with contextlib.suppress(FileExistsError):
-            target.mkdir(backups)
+            target.mkdir(backups, mode=PRIVATE_DIR)
         for entry in journal["files"]:
             backup = target.state_dir / entry["backup"]
             if file_hash_or_none(backup) != entry["base"]:
@@ -2129,6 +2207,9 @@ def status(
                     from them)
     finish          the command that finishes a stopped run, restores from
                     orphans or removes leftovers, as a sentence; else null
+    applied_to      the vLLM version the journal says the patch set was
+                    applied to (``revert`` refuses another: exit 4); null
+                    without a journal
     """
     report: dict = {
         "schema_version": STATUS_SCHEMA_VERSION,
@@ -2149,6 +2230,7 @@ def status(
         "alien": [],
         "orphans": [],
         "finish": None,
+        "applied_to": None,
     }
     try:
         status_of(report, as_path(target))
@@ -2172,6 +2254,11 @@ def status_of(report: dict, target_path: Path | None) -> None:
     require_clean(patch_set)  # no pin to compare against otherwise
     target = resolve_target(target_path, patch_set.root)
     report["target"] = str(target.root)
+    if target.state_dir.is_dir() and not os.access(target.state_dir, os.R_OK | os.X_OK):
+        raise ApplyError(
+            f"{target.state_dir}: private to its owner (uid "
+            f"{target.state_dir.stat().st_uid}); ask as that user or root"
+        )
     with reading(target) as lock_left:
         journal = target.read_journal()
         ours, others, orphans = target.leftovers(journal)
@@ -2197,6 +2284,12 @@ def status_of(report: dict, target_path: Path | None) -> None:
             if state == "applied":
                 changed = drifted_files(target, journal)
                 drift = dict.fromkeys(changed, "changed since apply")
+                restoring = [e for e in journal["files"] if not at_base(target, e)]
+                for entry in restoring:
+                    if entry["path"] not in drift and lost_backups(target, [entry]):
+                        drift[entry["path"]] = (
+                            "its backup is missing or corrupt; revert refuses"
+                        )
                 if journal["revision"] == report["patch_set_revision"]:
                     for rel, digest in patch_set.results.items():
                         if rel not in drift and (
@@ -2220,10 +2313,11 @@ def status_of(report: dict, target_path: Path | None) -> None:
                 f"the next `{target.command('apply')}` or "
                 f"`{target.command('revert')}` removes it"
             )
-    other_version = report["vllm_version"] not in (None, report["base_version"])
+    report["applied_to"] = journal["vllm_version"] if journal else None
+    report["state"] = state
     if state not in ("not-applied", "applied") or ours:
         code = EXIT_INTERRUPTED
-    elif drift or (state == "not-applied" and other_version):
+    elif drift or other_version(report):
         code = EXIT_DRIFT
     elif state == "not-applied":
         code = EXIT_NOT_APPLIED
@@ -2242,6 +2336,15 @@ def status_of(report: dict, target_path: Path | None) -> None:
     report["orphans"] = [str(path) for path in orphans]
 
 
+def other_version(report: dict) -> bool:
+    """Whether the target's vLLM is not the one ``apply`` (not applied) or
+    ``revert`` (applied) accepts: both refuse it, so ``status`` exits 4."""
+    want = report["base_version"]
+    if report["state"] == "applied":
+        want = report["applied_to"]
+    return report["vllm_version"] not in (None, want, "unknown")
+
+
 def status_text(report: dict) -> str:
     """What ``apply.py status`` prints for ``report`` (a ``status`` object)."""
     if report["state"] == "error":
@@ -2251,19 +2354,19 @@ def status_text(report: dict) -> str:
     ]
     state, files = report["state"], report["files"]
     if state == "not-applied":
-        other_version = report["vllm_version"] not in (None, report["base_version"])
+        other = other_version(report)
         lines.append(
             "state:    not applied"
             + (
                 f"; vLLM {report['vllm_version']} is not the pinned "
                 f"{report['base_version']}, `apply` will refuse"
-                if other_version
+                if other
                 else ""
             )
             + (
                 "; base differs from the pin:"
                 if report["drift"]
-                else ("" if other_version else "; base matches the pin")
+                else ("" if other else "; base matches the pin")
             )
         )
         lines += [f"  {f['path']}: {f['drift']}" for f in files if f["drift"]]
@@ -2291,6 +2394,12 @@ def status_text(report: dict) -> str:
                 f"`{command_line(*where, 'apply')}`)"
             )
         )
+        if other_version(report):
+            lines.append(
+                f"  vLLM {report['vllm_version']} is installed, the patch set was "
+                f"applied to {report['applied_to']}: `revert` refuses "
+                "(--any-version)"
+            )
         for f in files:
             mark = "DRIFT" if f["drift"] else "ok"
             why = f" ({f['drift']})" if f["drift"] else ""
@@ -2653,7 +2762,12 @@ def cmd_devtree(args: argparse.Namespace) -> int:
     target = resolve_target(args.target, args.patch_set)
     repo = args.dir.resolve()
     if repo.exists() and any(repo.iterdir()):
-        raise ApplyError(f"{repo}: exists and is not empty")
+        raise ApplyError(
+            f"{repo}: exists and is not empty; devtree makes a new one. If a "
+            f"devtree run was stopped there, remove it (`rm -rf -- "
+            f"{shlex.quote(str(repo))}`) and run devtree again; else name "
+            "another directory"
+        )
     repo.mkdir(parents=True, exist_ok=True)
     source = pristine_source(target)
     overlay = set(patch_set.overlay)
@@ -2733,8 +2847,8 @@ def cmd_refresh(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="apply.py",
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n", 1)[1],
+        description=HELP_DESCRIPTION,
+        epilog=HELP_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(

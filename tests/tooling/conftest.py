@@ -71,6 +71,16 @@ SMALL_TREE = (
 )
 
 
+def set_version(root: Path, version: str) -> None:
+    """Make ``root`` say vLLM ``version`` where apply.py reads it: both
+    ``vllm/_version.py`` and the wheel's METADATA (they must agree)."""
+    for path in [root / "vllm/_version.py", *root.glob("vllm-*.dist-info/METADATA")]:
+        text = path.read_text()
+        text = text.replace("'0.33.0'", f"'{version}'")
+        text = text.replace("\nVersion: 0.33.0\n", f"\nVersion: {version}\n")
+        path.write_text(text)
+
+
 def file_signatures(root: Path) -> dict[str, tuple[int, int, int, int]]:
     """Inode, size, mtime and mode of every file: what a write shows in."""
     signatures = {}

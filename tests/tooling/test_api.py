@@ -40,6 +40,7 @@ KEYS = [
     "alien",
     "orphans",
     "finish",
+    "applied_to",
 ]
 
 
@@ -89,6 +90,7 @@ def test_status_json_of_a_pristine_target(small_tool, small_target, patch_set):
         "alien": [],
         "orphans": [],
         "finish": None,
+        "applied_to": None,
     }
     assert report["patch_set_revision"] == applied_revision(small_tool)
 
@@ -240,7 +242,7 @@ def test_a_patch_set_for_another_vllm_is_refused_naming_its_base_file(
     assert apply.base_version(patch_set) == "0.34.0"
     before = tree_digest(small_target)
     proc = small_tool("apply")
-    assert proc.returncode == apply.EXIT_ERROR
+    assert proc.returncode == apply.EXIT_DRIFT
     assert f"vLLM 0.33.0 found, the patch set is pinned to 0.34.0 ({path})" in (
         proc.stderr
     )

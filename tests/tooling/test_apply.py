@@ -15,7 +15,13 @@ from pathlib import Path
 import pytest
 
 import apply
-from tests.tooling.conftest import PROJECT_DIR, linked_copy, run_tool, tree_digest
+from tests.tooling.conftest import (
+    PROJECT_DIR,
+    linked_copy,
+    run_tool,
+    set_version,
+    tree_digest,
+)
 
 PROBE = "vllm/k3_sppp_probe/__init__.py"
 FIRST = "0001-Tooling-probe-mark-two-vLLM-modules.patch"
@@ -219,10 +225,13 @@ def fails_cleanly(
 
 
 def test_wrong_vllm_version_is_refused(tool, target):
-    version = target / "vllm/_version.py"
-    version.write_text(read(target, "vllm/_version.py").replace("'0.33.0'", "'0.34.0'"))
+    set_version(target, "0.34.0")
     fails_cleanly(
-        tool, target, "apply", "vLLM 0.34.0 found, the patch set is pinned to 0.33.0"
+        tool,
+        target,
+        "apply",
+        "vLLM 0.34.0 found, the patch set is pinned to 0.33.0",
+        code=apply.EXIT_DRIFT,
     )
 
 
@@ -340,8 +349,7 @@ def test_patch_that_no_longer_applies_names_patch_and_hunk(tool, target, patch_s
 
 
 def test_check_reports_hunks_against_a_newer_vllm(tool, target):
-    version = target / "vllm/_version.py"
-    version.write_text(read(target, "vllm/_version.py").replace("'0.33.0'", "'0.34.0'"))
+    set_version(target, "0.34.0")
     logger = target / "vllm/logger.py"
     logger.write_text(
         read(target, "vllm/logger.py").replace(
@@ -446,7 +454,7 @@ def test_revert_refuses_a_file_edited_since_apply(tool, target):
         tool,
         target,
         "revert",
-        "changed since apply, refusing to overwrite: vllm/version.py",
+        "changed or deleted since apply, refusing to overwrite: vllm/version.py",
         "revert --force",
         code=apply.EXIT_DRIFT,
     )

@@ -25,7 +25,7 @@ import pytest
 
 import apply
 from tests.tooling import faults
-from tests.tooling.conftest import PROJECT_DIR, tree_digest
+from tests.tooling.conftest import PROJECT_DIR, set_version, tree_digest
 from tests.tooling.test_revert_safety import python
 
 PROBE = "vllm/k3_sppp_probe/__init__.py"
@@ -473,8 +473,7 @@ def test_old_pythons_are_refused_not_a_syntax_error(version, patch_set, small_ta
 
 
 def test_status_on_another_vllm_says_so(patch_set, small_target):
-    version = small_target / "vllm/_version.py"
-    version.write_text(version.read_text().replace("'0.33.0'", "'0.34.0'"))
+    set_version(small_target, "0.34.0")
     proc = run_apply(patch_set, "status", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_DRIFT, proc.stdout
     assert "vLLM 0.34.0 is not the pinned 0.33.0" in proc.stdout

@@ -22,7 +22,13 @@ import pytest
 
 import apply
 from tests.tooling import faults
-from tests.tooling.conftest import PROJECT_DIR, copy_small, run_tool, tree_digest
+from tests.tooling.conftest import (
+    PROJECT_DIR,
+    copy_small,
+    run_tool,
+    set_version,
+    tree_digest,
+)
 from tests.tooling.test_apply import unprivileged_python
 
 PROBE = "vllm/k3_sppp_probe/__init__.py"
@@ -91,7 +97,10 @@ def test_revert_with_a_corrupt_backup_changes_nothing(small_tool, small_target):
     journal = json.loads((small_target / ".k3_sppp/journal.json").read_text())
     backup = small_target / ".k3_sppp" / journal["files"][1]["backup"]
     backup.write_bytes(b"not vLLM\n")
-    proc = refused(small_tool, small_target, apply.EXIT_ERROR, "revert")
+    status = small_tool("status")
+    assert status.returncode == apply.EXIT_DRIFT, status.stdout
+    assert "vllm/version.py (its backup is missing or corrupt" in status.stdout
+    proc = refused(small_tool, small_target, apply.EXIT_DRIFT, "revert")
     assert f"{backup}: the backup of vllm/version.py is missing or corrupt" in (
         proc.stderr
     )
@@ -206,8 +215,7 @@ def test_revert_refuses_when_vllm_was_upgraded_under_the_patch_set(
     small_tool, small_target
 ):
     ok(small_tool("apply"))
-    version = small_target / "vllm/_version.py"
-    version.write_text(version.read_text().replace("'0.33.0'", "'0.34.0'"))
+    set_version(small_target, "0.34.0")
     proc = refused(small_tool, small_target, apply.EXIT_DRIFT, "revert", "--force")
     assert "vLLM 0.34.0 is installed, but the patch set was applied to vLLM 0.33.0" in (
         proc.stderr
@@ -386,8 +394,7 @@ def test_venv_with_two_pythons_is_read_at_its_own_python(
 
 
 def test_check_on_another_vllm_names_the_version(small_tool, small_target):
-    version = small_target / "vllm/_version.py"
-    version.write_text(version.read_text().replace("'0.33.0'", "'0.34.0'"))
+    set_version(small_target, "0.34.0")
     proc = refused(small_tool, small_target, apply.EXIT_DRIFT, "check")
     assert "`apply` will refuse:\n  vLLM 0.34.0 is installed" in proc.stdout
 
