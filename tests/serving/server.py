@@ -40,6 +40,8 @@ def write_model_dir(path: Path) -> Path:
         "num_attention_heads": 4, "num_key_value_heads": 4,
         "max_position_embeddings": 4096, "eos_token_id": EOS,
         "bos_token_id": 1, "torch_dtype": "float32",
+        # EP needs experts; the tiny K3 has 4.
+        "num_local_experts": 4,
     }))
     return path
 
@@ -62,7 +64,8 @@ class Server:
         ]
         environ = dict(os.environ, VLLM_TARGET_DEVICE="cpu",
                        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                       VLLM_USE_V2_MODEL_RUNNER="0", **(env or {}))
+                       VLLM_USE_V2_MODEL_RUNNER="0", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                       **(env or {}))
         self.started = time.monotonic()
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
@@ -92,7 +95,8 @@ class Server:
 
     def complete(self, prompt: str, max_tokens: int) -> str:
         body = json.dumps({"model": "tiny-k3", "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": True}).encode()
+                           "temperature": 0, "ignore_eos": True,
+                           "skip_special_tokens": False}).encode()
         request = urllib.request.Request(self.url + "/v1/completions", body,
                                          {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=120) as response:

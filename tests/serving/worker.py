@@ -30,6 +30,7 @@ from torch import nn
 from tests.sppp_testbed import tiny_k3
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.parallel_state import get_pp_group
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
 from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -37,6 +38,8 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker import cpu_worker, gpu_worker
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+
+logger = init_logger(__name__)
 
 # Read by this stand-in only: stage 1 builds its model with this MoE backend,
 # as a node started with another --kernel-config would.
@@ -143,6 +146,11 @@ class StandInModelRunner:
         self.lm_head = tiny_k3.full_weight(
             "lm_head.weight", (tiny_k3.VOCAB, tiny_k3.HIDDEN), SEED
         )
+        logger.info(
+            "Stand-in runner: PP stage %d, layers [%d, %d), sequence parallel: %s",
+            pp.rank_in_group, self.model.start_layer, self.model.end_layer,
+            self.model.use_sequence_parallel,
+        )
         self.buffers = None
         if not pp.is_first_rank:
             self.buffers = self.model.make_empty_intermediate_tensors(
@@ -212,9 +220,8 @@ class StandInModelRunner:
                 tokens = self.requests[req_id][:start] + cached.new_token_ids[i]
                 self.requests[req_id] = tokens
         num_tokens = scheduler_output.total_num_scheduled_tokens
-        if num_tokens == 0:
-            self.pending = EMPTY_MODEL_RUNNER_OUTPUT
-            return None
+        if num_tokens == 0:  # nothing to sample
+            return EMPTY_MODEL_RUNNER_OUTPUT
         batch, ids, positions = Batch(), [], []
         computed = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
         computed.update(zip(cached.req_ids, cached.num_computed_tokens))
