@@ -35,7 +35,7 @@ def completions(model_dir, tmp_path_factory):
     logs = tmp_path_factory.mktemp("serve-logs")
     servers = {
         name: Server(model_dir, free_port(), args, log=logs / f"{i}.log")
-        for i, name in enumerate(LAYOUTS)
+        for i, (name, args) in enumerate(LAYOUTS.items())
     }
     results, startup = {}, {}
     try:
@@ -44,8 +44,11 @@ def completions(model_dir, tmp_path_factory):
         for name, server in servers.items():
             alone = [server.complete(p, MAX_TOKENS) for p in ALONE]
             with ThreadPoolExecutor(len(TOGETHER)) as pool:
-                together = list(pool.map(lambda p: server.complete(p, MAX_TOKENS), TOGETHER))
-            results[name] = dict(zip(ALONE + TOGETHER, alone + together))
+                futures = [
+                    pool.submit(server.complete, p, MAX_TOKENS) for p in TOGETHER
+                ]
+                together = [future.result() for future in futures]
+            results[name] = dict(zip(ALONE + TOGETHER, alone + together, strict=False))
     finally:
         for server in servers.values():
             server.stop()
@@ -56,11 +59,15 @@ def completions(model_dir, tmp_path_factory):
 def parity_table(results: dict[str, dict[str, str]]) -> str:
     reference = results["TP1xPP1"]
     names = list(results)
-    lines = ["| prompt | " + " | ".join(names) + " |",
-             "| --- |" + " --- |" * len(names)]
+    lines = [
+        "| prompt | " + " | ".join(names) + " |",
+        "| --- |" + " --- |" * len(names),
+    ]
     for prompt, expected in reference.items():
         cells = [repr(expected)] + [
-            "equal" if results[n][prompt] == expected else f"DIFFERS {results[n][prompt]!r}"
+            "equal"
+            if results[n][prompt] == expected
+            else f"DIFFERS {results[n][prompt]!r}"
             for n in names[1:]
         ]
         lines.append(f"| {prompt[:24]!r} | " + " | ".join(cells) + " |")
@@ -79,8 +86,11 @@ def test_stage_disagreement_fails_vllm_serve_at_start_up(model_dir, tmp_path):
     with other flags would: the agreement refuses before any hand-off, and
     ``vllm serve`` exits with the message in its log."""
     server = Server(
-        model_dir, free_port(), LAYOUTS["TP2xPP2 SP (MegaMoE, EP)"],
-        env={STAGE1_MOE_BACKEND: "triton"}, log=tmp_path / "refused.log",
+        model_dir,
+        free_port(),
+        LAYOUTS["TP2xPP2 SP (MegaMoE, EP)"],
+        env={STAGE1_MOE_BACKEND: "triton"},
+        log=tmp_path / "refused.log",
     )
     started = time.monotonic()
     try:
@@ -91,7 +101,10 @@ def test_stage_disagreement_fails_vllm_serve_at_start_up(model_dir, tmp_path):
     elapsed = time.monotonic() - started
     log = server.log.read_text()
     refusal = [line for line in log.splitlines() if "Pipeline stages disagree" in line]
-    print(f"\nexit {server.process.returncode} after {elapsed:.0f} s:\n" + refusal[0][:1200])
+    print(
+        f"\nexit {server.process.returncode} after {elapsed:.0f} s:\n"
+        + refusal[0][:1200]
+    )
     assert server.process.returncode != 0
     assert "sequence_parallel: stage 0=True, stage 1=False" in refusal[0]
     assert "Pipeline stages disagree" in str(failure.value)

@@ -92,7 +92,9 @@ class RequestMixer(nn.Module):
             return torch.cumsum(hidden * weight[:, None], dim=0) / count[:, None]
         out, row = [], 0
         for req_id, tokens, start, rows in CURRENT.segments:
-            sums = torch.cumsum(hidden[row : row + rows] * weight[row : row + rows, None], 0)
+            sums = torch.cumsum(
+                hidden[row : row + rows] * weight[row : row + rows, None], 0
+            )
             state = self.state_before(req_id, tokens, start)
             if state is not None:
                 sums = sums + state
@@ -138,8 +140,11 @@ class StandInModelRunner:
         object.__setattr__(config, "parallel_config", self.vllm_config.parallel_config)
         object.__setattr__(config, "kernel_config", self.vllm_config.kernel_config)
         self.stack.enter_context(tiny_k3.stand_ins())
-        for name in ("KimiK3DeltaAttention", "KimiLinearGatedDeltaNetAttention",
-                     "MultiHeadLatentAttention"):
+        for name in (
+            "KimiK3DeltaAttention",
+            "KimiLinearGatedDeltaNetAttention",
+            "MultiHeadLatentAttention",
+        ):
             setattr(tiny_k3.k3, name, RequestMixer)
         self.stack.enter_context(torch.no_grad())
         self.model = tiny_k3.build_model(config, SEED)
@@ -148,7 +153,9 @@ class StandInModelRunner:
         )
         logger.info(
             "Stand-in runner: PP stage %d, layers [%d, %d), sequence parallel: %s",
-            pp.rank_in_group, self.model.start_layer, self.model.end_layer,
+            pp.rank_in_group,
+            self.model.start_layer,
+            self.model.end_layer,
             self.model.use_sequence_parallel,
         )
         self.buffers = None
@@ -167,7 +174,9 @@ class StandInModelRunner:
         block_size = self.vllm_config.cache_config.block_size
         return {
             f"model.layers.{i}.self_attn": FullAttentionSpec(
-                block_size=block_size, num_kv_heads=1, head_size=16,
+                block_size=block_size,
+                num_kv_heads=1,
+                head_size=16,
                 dtype=torch.float32,
             )
             for i in range(self.model.start_layer, self.model.end_layer)
@@ -223,8 +232,10 @@ class StandInModelRunner:
         if num_tokens == 0:  # nothing to sample
             return EMPTY_MODEL_RUNNER_OUTPUT
         batch, ids, positions = Batch(), [], []
-        computed = {n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs}
-        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        computed = {
+            n.req_id: n.num_computed_tokens for n in scheduler_output.scheduled_new_reqs
+        }
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         for req_id, rows in scheduler_output.num_scheduled_tokens.items():
             tokens, start = self.requests[req_id], computed[req_id]
             batch.segments.append((req_id, tokens, start, rows))
@@ -233,7 +244,9 @@ class StandInModelRunner:
         CURRENT = batch
         try:
             output = self.forward(
-                torch.tensor(ids), torch.tensor(positions), intermediate_tensors,
+                torch.tensor(ids),
+                torch.tensor(positions),
+                intermediate_tensors,
                 num_tokens,
             )
         finally:
@@ -241,7 +254,7 @@ class StandInModelRunner:
         if isinstance(output, IntermediateTensors):
             return output
         sampled, row = [], 0
-        for req_id, tokens, start, rows in batch.segments:
+        for _, tokens, start, rows in batch.segments:
             row += rows
             if start + rows < len(tokens):  # a prefill chunk: nothing sampled
                 sampled.append([])
@@ -273,13 +286,25 @@ class Worker(cpu_worker.CPUWorker):
     worker does (``CPUWorker`` overrides ``compile_or_warm_up_model`` with
     one that skips the GPU worker's, where the series checks its stages)."""
 
-    def __init__(self, vllm_config, local_rank: int, rank: int,
-                 distributed_init_method: str, is_driver_worker: bool = False):
+    def __init__(
+        self,
+        vllm_config,
+        local_rank: int,
+        rank: int,
+        distributed_init_method: str,
+        is_driver_worker: bool = False,
+    ):
         # CPUWorker.__init__ binds NUMA memory through vLLM's CPU extension
         # (vllm._C), which the CUDA wheel lacks: initialise as the GPU
         # worker does and keep the rest of CPUWorker.
-        GPUWorker.__init__(self, vllm_config, local_rank, rank,
-                           distributed_init_method, is_driver_worker)
+        GPUWorker.__init__(
+            self,
+            vllm_config,
+            local_rank,
+            rank,
+            distributed_init_method,
+            is_driver_worker,
+        )
         self.parallel_config.disable_custom_all_reduce = True
 
     def init_device(self) -> None:
