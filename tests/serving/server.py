@@ -122,7 +122,7 @@ class Server:
                 start_new_session=True,
             )
 
-    def wait_ready(self, timeout: float = 240) -> float:
+    def wait_ready(self, timeout: float = 420) -> float:
         while time.monotonic() - self.started < timeout:
             if self.process.poll() is not None:
                 raise RuntimeError(
