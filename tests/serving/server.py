@@ -1,0 +1,166 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm serve`` with the stand-in worker: a model directory, a server."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from tests.sppp_testbed import tiny_k3
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM = Path(sys.executable).with_name("vllm")
+EOS = 0
+
+
+def write_model_dir(path: Path) -> Path:
+    """config.json (Llama-shaped: the engine only sizes its config from it;
+    the worker builds the tiny K3) and a character-level tokenizer."""
+    from tokenizers import Tokenizer, decoders, models
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {chr(i): i for i in range(tiny_k3.VOCAB)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x01"))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "\x00",
+                "unk_token": "\x01",
+                "model_max_length": 4096,
+                "chat_template": (
+                    "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+                ),
+            }
+        )
+    )
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": tiny_k3.VOCAB,
+                "hidden_size": tiny_k3.HIDDEN,
+                "intermediate_size": 96,
+                "num_hidden_layers": tiny_k3.NUM_LAYERS,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "max_position_embeddings": 4096,
+                "eos_token_id": EOS,
+                "bos_token_id": 1,
+                "torch_dtype": "float32",
+                # EP needs experts; the tiny K3 has 4.
+                "num_local_experts": 4,
+            }
+        )
+    )
+    return path
+
+
+class Server:
+    """One ``vllm serve`` process; its log in ``log``."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        port: int,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        log: Path | None = None,
+    ):
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log or model_dir / f"serve-{port}.log"
+        self.command = [
+            str(VLLM),
+            "serve",
+            str(model_dir),
+            "--port",
+            str(port),
+            "--served-model-name",
+            "tiny-k3",
+            "--worker-cls",
+            "tests.serving.worker.Worker",
+            "--load-format",
+            "dummy",
+            "--distributed-executor-backend",
+            "mp",
+            "--enforce-eager",
+            "--no-async-scheduling",
+            "--dtype",
+            "float32",
+            "--max-model-len",
+            "512",
+            "--max-num-seqs",
+            "8",
+            "--kv-cache-memory-bytes",
+            str(64 << 20),
+            *args,
+        ]
+        environ = dict(
+            os.environ,
+            VLLM_TARGET_DEVICE="cpu",
+            PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            VLLM_USE_V2_MODEL_RUNNER="0",
+            VLLM_CPU_OMP_THREADS_BIND="nobind",
+            **(env or {}),
+        )
+        self.started = time.monotonic()
+        with open(self.log, "wb") as out:
+            self.process = subprocess.Popen(
+                self.command,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=environ,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+
+    def wait_ready(self, timeout: float = 420) -> float:
+        while time.monotonic() - self.started < timeout:
+            if self.process.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited {self.process.returncode}:\n"
+                    + self.log.read_text()[-6000:]
+                )
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2):
+                    return time.monotonic() - self.started
+            except OSError:
+                time.sleep(1)
+        self.stop()
+        raise TimeoutError(
+            f"vllm serve not ready in {timeout} s:\n{self.log.read_text()[-6000:]}"
+        )
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, 15)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, 9)
+                self.process.wait()
+
+    def complete(self, prompt: str, max_tokens: int) -> str:
+        body = json.dumps(
+            {
+                "model": "tiny-k3",
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "skip_special_tokens": False,
+            }
+        ).encode()
+        request = urllib.request.Request(
+            self.url + "/v1/completions", body, {"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return json.load(response)["choices"][0]["text"]
