@@ -20,6 +20,7 @@ os.environ.setdefault("HUMMING_DISABLE_PARALLEL_BUILD", "1")
 import torch  # noqa: E402
 
 standins.stand_in_op_probes()
+standins.stand_in_activation_ops()
 
 
 def header() -> None:
@@ -66,10 +67,14 @@ def tiny_k3() -> list[str]:
     from vllm.config import set_current_vllm_config
 
     problems = []
+    real_stream = torch.cuda.Stream
     for attn_res in (False, True):
         for num_tokens in (1, 7, 33):
             config = bed.scenario_config(1, 1, sp=False, attn_res=attn_res)
             with set_current_vllm_config(config), bed.stand_ins(), torch.no_grad():
+                # The test bed stubs CUDA streams out for the CPU; here the
+                # real ones must stay (vLLM's compiled native ops use them).
+                torch.cuda.Stream = real_stream
                 reference_model = bed.build_model(config, seed=3)
                 cuda_model = bed.build_model(config, seed=3).to("cuda")
                 ids = token_ids(num_tokens, seed=3)

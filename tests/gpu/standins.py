@@ -204,3 +204,30 @@ def stand_in_op_probes() -> list[str]:
     for name in names:
         setattr(ops, name, probe(name))
     return names
+
+
+# Activation ops the layers look up when built on CUDA (``SiluAndMul`` and
+# siblings bind ``torch.ops._C.<op>`` in ``__init__``); the test bed runs
+# ``custom_ops=["none"]``, so only ``forward_native`` runs and these never
+# should: calling one raises :class:`StandInCalled`.
+ACTIVATION_OPS = ("silu_and_mul", "mul_and_silu", "gelu_and_mul", "gelu_tanh_and_mul")
+_LIBRARIES: list[object] = []
+
+
+def stand_in_activation_ops() -> list[str]:
+    """Register :data:`ACTIVATION_OPS` in the ``_C`` namespace, logged."""
+    import torch
+
+    if _LIBRARIES:
+        return list(ACTIVATION_OPS)
+    library = torch.library.Library("_C", "FRAGMENT")
+    for name in ACTIVATION_OPS:
+        library.define(f"{name}(Tensor(a!) out, Tensor input) -> ()")
+
+        def called(out, input, _name=name):
+            raise StandInCalled(f"torch.ops._C.{_name} is a stand-in op")
+
+        library.impl(name, called, "CompositeExplicitAutograd")
+        _log(f"op torch.ops._C.{name} (raises if called)")
+    _LIBRARIES.append(library)
+    return list(ACTIVATION_OPS)
