@@ -34,6 +34,8 @@
 #                       point N times, N x the time] [ALLOW_PREFIX_CACHING=1]
 #   make bench-report   per sweep: tables (means over runs), verdicts, JSON
 #                       summary and plots from results/bench
+#   make mutate         mutation testing of the lines the series installs
+#                       (resumable; MUTATE_ARGS="--limit N"; hours on 2 cores)
 #   make setup          only the pinned .venv
 #
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
@@ -56,7 +58,7 @@ APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
 .PHONY: help setup apply revert status check test lint manifest pr-diff rebase comm-report \
-	nccl-bench serve gsm8k gsm8k-compare bench bench-report
+	nccl-bench serve gsm8k gsm8k-compare bench bench-report mutate
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -189,3 +191,6 @@ bench: setup
 
 bench-report: setup
 	$(VPY) -m eval.bench report
+
+mutate: apply
+	nice -n 19 $(VPY) -m eval.mutate $(MUTATE_ARGS)
