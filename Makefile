@@ -44,6 +44,8 @@
 #                       summary and plots from results/bench
 #   make gpu-bundle     build/gpu-bundle/: patched vLLM sources, wheels, test
 #                       bed and GPU checks for the lent GPU (run.py CHECK)
+#   make mutate         mutation testing of the lines the series installs
+#                       (resumable; MUTATE_ARGS="--limit N"; hours on 2 cores)
 #   make setup          only the pinned .venv
 #
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
@@ -68,7 +70,7 @@ APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
 .PHONY: help setup apply revert status check test lint manifest pr-diff rebase comm-report \
-	nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report gpu-bundle
+	nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report gpu-bundle mutate
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -218,3 +220,6 @@ bench-report: setup
 
 gpu-bundle: setup
 	$(VPY) -m eval.gpu_bundle
+
+mutate: apply
+	nice -n 19 $(VPY) -m eval.mutate $(MUTATE_ARGS)
