@@ -2,6 +2,8 @@
 #
 #   make apply          pinned vLLM into .venv (if absent), verify, apply
 #   make test           unit, distributed (CPU, gloo) and tooling tests
+#   make test-serving   the tests that run the series inside real `vllm
+#                       serve` servers on CPU ranks (minutes; not in make test)
 #   make revert         byte-identical original vLLM again (FORCE=1: also
 #                       files edited since apply, each kept as
 #                       *.k3-sppp-drift[.N], never overwritten)
@@ -70,7 +72,7 @@ APPLY := python3 apply.py
 PYTEST_ARGS ?=
 
 .PHONY: help setup apply revert status check test lint manifest pr-diff rebase comm-report \
-	nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report gpu-bundle mutate
+	nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report gpu-bundle mutate test-serving
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -137,15 +139,28 @@ check:
 # directory per run: removed after a passing run, kept and named after a
 # failing one, so repeated runs do not fill a node's /tmp. Open to all, as
 # /tmp is: the tooling tests run apply.py as another user on trees in it.
+# pytest with a TMPDIR of its own: removed after a pass, kept and named after
+# a failure (the ranks' and servers' output is in it).
+define pytest_in_own_tmpdir
+@tmp=$$(mktemp -d -t k3-sppp-test-XXXXXX) && chmod 755 "$$tmp"; \
+TMPDIR=$$tmp $(VPY) -m pytest $(1); rc=$$?; \
+if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; \
+else echo "make $@: temporary files kept in $$tmp"; fi; exit $$rc
+endef
+
 test: setup
 	@$(APPLY) status > /dev/null; if [ $$? -eq 6 ]; then \
 		echo "make test: .venv has another revision of the patch set; replacing it"; \
 		$(APPLY) revert; fi
 	$(APPLY) apply
-	@tmp=$$(mktemp -d -t k3-sppp-test-XXXXXX) && chmod 755 "$$tmp"; \
-	TMPDIR=$$tmp $(VPY) -m pytest $(PYTEST_ARGS); rc=$$?; \
-	if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; \
-	else echo "make test: temporary files kept in $$tmp"; fi; exit $$rc
+	$(call pytest_in_own_tmpdir,--ignore=$(SERVING_TESTS) $(PYTEST_ARGS))
+
+# Real `vllm serve` servers on CPU ranks (three layouts and a refused start):
+# minutes on 2 cores, so apart from `make test`; .ci/run runs both.
+SERVING_TESTS := tests/serving
+test-serving: setup
+	$(APPLY) apply
+	$(call pytest_in_own_tmpdir,$(SERVING_TESTS) $(PYTEST_ARGS))
 
 lint: setup
 	$(VPY) -m ruff check .

@@ -1647,7 +1647,15 @@ def restore(target: Target, journal: dict, plan: Restore) -> int:
             for rel, digest in plan.kept.items():
                 keep_edit(target, rel, digest)
             for entry in plan.files:
-                os.replace(stage / entry["path"], target.path(entry["path"]))
+                path = target.path(entry["path"])
+                link = os.readlink(path) if path.is_symlink() else None
+                os.replace(stage / entry["path"], path)
+                if link is not None and entry.get("symlink") is None:
+                    warn(
+                        f"{entry['path']} was a symbolic link of yours (-> {link}); "
+                        "vLLM's original file replaces the link, its target is "
+                        "untouched"
+                    )
             for rel in plan.remove:
                 target.path(rel).unlink(missing_ok=True)
             for rel in sorted(journal["created_dirs"], key=len, reverse=True):

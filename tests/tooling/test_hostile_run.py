@@ -248,3 +248,22 @@ def test_a_stopped_devtree_names_how_to_clean_it(small_tool, tmp_path):
     subprocess.run(["bash", "-c", command], cwd=tmp_path, check=True)
     assert not tree.exists() and not (tmp_path / "x").exists()
     ok(small_tool("devtree", str(tree)))
+
+
+def test_a_symlink_in_place_of_a_patched_file_is_named_on_revert(
+    small_tool, small_target, tmp_path
+):
+    ok(small_tool("apply"))
+    logger = small_target / "vllm/logger.py"
+    elsewhere = tmp_path / "my-logger.py"
+    elsewhere.write_bytes(logger.read_bytes())
+    logger.unlink()
+    logger.symlink_to(elsewhere)
+    patched = elsewhere.read_bytes()
+    proc = ok(small_tool("revert"))
+    assert not logger.is_symlink() and logger.is_file()
+    assert (
+        f"vllm/logger.py was a symbolic link of yours (-> {elsewhere}); vLLM's "
+        "original file replaces the link, its target is untouched"
+    ) in proc.stderr
+    assert elsewhere.read_bytes() == patched
