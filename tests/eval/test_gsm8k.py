@@ -89,8 +89,8 @@ def compare(root: Path, capsys, baseline: str = "fi-ep") -> tuple[int, str, str]
 
 
 def readme_block(after: str) -> list[str]:
-    """The README's indented block that follows the line ending in ``after``."""
-    lines = (gsm8k.PROJECT_DIR / "README.md").read_text().splitlines()
+    """docs/evaluation.md's indented block that follows the line ending in ``after``."""
+    lines = (gsm8k.PROJECT_DIR / "docs" / "evaluation.md").read_text().splitlines()
     start = next(i for i, line in enumerate(lines) if line.endswith(after)) + 1
     block = []
     for line in lines[start:]:
@@ -288,7 +288,7 @@ def test_end_to_end_against_a_local_server(tmp_path, capsys):
 
     code, report, _ = compare(tmp_path, capsys)
     assert code == 1, report
-    # The README shows this run's tables as what `make gsm8k-compare` prints.
+    # docs/evaluation.md shows this run's tables as what `make gsm8k-compare` prints.
     tables = [line for line in report.splitlines() if line.startswith("|")]
     assert tables == readme_block("`make gsm8k-compare` prints:")
     assert verdict_row(report, "fi-noep")[1:4] == ["15", "0", "0"]
