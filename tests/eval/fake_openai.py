@@ -55,6 +55,8 @@ def serving(
                 ("hits", "prefix_cache_hits"),
                 ("prompt_tokens", "prompt_tokens"),
             )
+            # vllm-rs shows prompt_tokens once it has counted some.
+            if key != "prompt_tokens" or counted[key] or frontend == "python"
         )
         if frontend == "python":
             text += (
