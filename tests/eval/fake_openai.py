@@ -47,9 +47,12 @@ def serving(
         if prefix_caching is None:
             return b"# vLLM metrics\n"
         labels = f'engine="0",model_name="{model}"'
+        # prometheus_client (the Python frontend) adds NAME_created samples.
+        created = f"vllm:{{}}_created{{{{{labels}}}}} 1.7e9\n"
         text = "".join(
             f"# TYPE vllm:{name} counter\nvllm:{name}_total{{{labels}}} "
             f"{counted[key]}.0\n"
+            + (created.format(name) if frontend == "python" else "")
             for key, name in (
                 ("queries", "prefix_cache_queries"),
                 ("hits", "prefix_cache_hits"),
