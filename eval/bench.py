@@ -277,6 +277,7 @@ def write_manifest(
         {
             "sweep": sweep.name,
             "served_vllm_version": version,
+            "prefix_caching": args.prefix_caching,
             "points": [str(p) for p in points],
             "repeat": args.repeat,
             **provenance(args.target),
@@ -378,14 +379,14 @@ def run(args: argparse.Namespace) -> int:
     plan = selected(args)
     args.base_url = args.base_url.rstrip("/")
     version = check_server(args.base_url, args.served_model_name, arm.name)
-    caching = prefix_caching(args.base_url)
+    caching, args.prefix_caching = prefix_caching(args.base_url, args.served_model_name)
     if caching is not False and not args.allow_prefix_caching:
-        state = "has prefix caching on" if caching else "does not report"
+        state = "has prefix caching on" if caching else "does not say if it caches"
         raise BenchError(
-            f"the server at {args.base_url} {state} (vllm:cache_config_info in "
-            "/metrics): repeated points would read cached prefill. Serve with "
-            "--no-enable-prefix-caching, as the arms do, or set "
-            "ALLOW_PREFIX_CACHING=1 if you know better"
+            f"the server at {args.base_url} {state}: "
+            f"{args.prefix_caching['observed']}. Repeated points would read "
+            "cached prefill. Serve with --no-enable-prefix-caching, as the arms "
+            "do, or set ALLOW_PREFIX_CACHING=1 if you know better"
         )
     out = args.results / arm.name
     out.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -105,14 +106,80 @@ def check_server(base_url: str, model: str, arm: str) -> str:
         return "unknown"
 
 
-def prefix_caching(base_url: str) -> bool | None:
-    """Whether the server caches prefixes, from vLLM's ``cache_config_info``
-    metric; ``None`` when the server does not say."""
-    try:
-        text = get(f"{base_url}/metrics").decode()
-    except NETWORK_ERRORS:
-        return None
-    match = re.search(
-        r'^vllm:cache_config_info\{[^}]*enable_prefix_caching="(\w+)"', text, re.M
+PROBE_PROMPT = "A prefix-cache probe, the same prompt twice. " * 8
+PROBE_WAIT_S = 15.0  # for the counters to count the probe's prompt tokens
+COUNTERS = {
+    "queries": "vllm:prefix_cache_queries",
+    "hits": "vllm:prefix_cache_hits",
+    "prompt_tokens": "vllm:prompt_tokens",
+}
+
+
+def counters(text: str) -> dict[str, float]:
+    """The ``COUNTERS`` vLLM exports in ``/metrics`` text, summed over their
+    labels (one series per engine); a counter the text lacks is left out.
+    Prometheus names a counter's sample ``NAME_total``; both are read."""
+    found: dict[str, float] = {}
+    for key, name in COUNTERS.items():
+        pattern = rf"^{re.escape(name)}(?:_total)?(?:\{{[^}}]*\}})?\s+(\S+)"
+        values = re.findall(pattern, text, re.M)
+        if values:
+            found[key] = sum(float(value) for value in values)
+    return found
+
+
+def complete_once(base_url: str, model: str, prompt: str) -> int:
+    """One single-token completion; the prompt tokens the server counted."""
+    body = json.dumps(
+        {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    ).encode()
+    request = urllib.request.Request(
+        f"{base_url}/v1/completions", body, {"Content-Type": "application/json"}
     )
-    return None if match is None else match[1].lower() == "true"
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return int(json.load(response)["usage"]["prompt_tokens"])
+
+
+def prefix_caching(base_url: str, model: str) -> tuple[bool | None, dict]:
+    """Whether the server caches prefixes, and the evidence.
+
+    Both of vLLM's frontends export the prefix-cache counters (the Rust one
+    has no ``cache_config_info``), and the scheduler counts a query only when
+    caching is on: the same prompt is sent twice and the counters are read
+    before and after, once ``prompt_tokens`` has counted both prompts (the
+    counters are updated after the response returns; the Rust frontend shows
+    ``prompt_tokens`` only once it has counted some). ``None``: the server
+    does not say (no counters, or they did not count the probe).
+    """
+    evidence: dict = {"probe": "the same prompt twice, one output token each"}
+    try:
+        before = counters(get(f"{base_url}/metrics").decode())
+        if "queries" not in before:
+            evidence["observed"] = f"/metrics has no {COUNTERS['queries']}"
+            return None, evidence
+        sent = sum(complete_once(base_url, model, PROBE_PROMPT) for _ in range(2))
+        deadline = time.monotonic() + PROBE_WAIT_S
+        while True:
+            after = counters(get(f"{base_url}/metrics").decode())
+            delta = {k: after.get(k, 0) - before.get(k, 0) for k in COUNTERS}
+            if delta["prompt_tokens"] >= sent or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+    except (*NETWORK_ERRORS, KeyError) as error:
+        evidence["observed"] = f"the probe failed: {error}"
+        return None, evidence
+    evidence["prompt_tokens_sent"] = sent
+    evidence.update({key: int(value) for key, value in delta.items()})
+    counted = (
+        f"{int(delta['queries'])} prefix-cache queries and {int(delta['hits'])} "
+        f"hits for the {sent} prompt tokens sent ({COUNTERS['queries']}, "
+        f"{COUNTERS['hits']})"
+    )
+    if delta["prompt_tokens"] < sent:
+        evidence["observed"] = (
+            f"{COUNTERS['prompt_tokens']} counted {int(delta['prompt_tokens'])} "
+            f"of the {sent} prompt tokens sent in {PROBE_WAIT_S:g} s"
+        )
+        return None, evidence
+    evidence["observed"] = f"/metrics counted {counted}"
+    return delta["queries"] > 0, evidence

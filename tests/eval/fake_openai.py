@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """A small OpenAI-compatible HTTP server of the tests' own, on 127.0.0.1.
 
-It answers ``GET /v1/models``, ``GET /version``, ``GET /metrics`` (vLLM's
-``cache_config_info``), ``POST /v1/completions`` with whatever
-``complete(prompt)`` returns, and streaming ``POST /v1/chat/completions``
-with ``max_completion_tokens`` tokens (one if unset), one every ``itl_s``
-seconds, so the tools run end to end against a real socket without a GPU or
-the network.
+It answers ``GET /v1/models``, ``GET /version``, ``GET /metrics`` (the
+prefix-cache counters as either of vLLM's frontends exports them),
+``POST /v1/completions`` with whatever ``complete(prompt)`` returns, and
+streaming ``POST /v1/chat/completions`` with ``max_completion_tokens`` tokens
+(one if unset), one every ``itl_s`` seconds, so the tools run end to end
+against a real socket without a GPU or the network.
 """
 
 from __future__ import annotations
@@ -29,10 +29,51 @@ def serving(
     complete: Callable[[str], str] = lambda prompt: "",
     prefix_caching: bool | None = False,
     itl_s: float = 0.0,
+    frontend: str = "python",
 ) -> Iterator[str]:
-    """Serve until the block ends; yields the base URL. ``prefix_caching``
-    None leaves the metric out, as a server that does not report it."""
+    """Serve until the block ends; yields the base URL.
+
+    The counters count a prompt's characters as its tokens, as vLLM's
+    scheduler does: prefix-cache queries only with ``prefix_caching`` on, and
+    hits for a prompt seen before. ``prefix_caching`` None leaves them out, as
+    a server that does not report them. ``frontend`` "python" adds
+    ``cache_config_info``, which the Rust frontend ("rust") does not export.
+    """
     requests: list[dict] = []
+    counted = {"queries": 0, "hits": 0, "prompt_tokens": 0}
+    seen: set[str] = set()
+
+    def metrics() -> bytes:
+        if prefix_caching is None:
+            return b"# vLLM metrics\n"
+        labels = f'engine="0",model_name="{model}"'
+        # prometheus_client (the Python frontend) adds NAME_created samples.
+        created = f"vllm:{{}}_created{{{{{labels}}}}} 1.7e9\n"
+        text = "".join(
+            f"# TYPE vllm:{name} counter\nvllm:{name}_total{{{labels}}} "
+            f"{counted[key]}.0\n"
+            + (created.format(name) if frontend == "python" else "")
+            for key, name in (
+                ("queries", "prefix_cache_queries"),
+                ("hits", "prefix_cache_hits"),
+                ("prompt_tokens", "prompt_tokens"),
+            )
+            # vllm-rs shows prompt_tokens once it has counted some.
+            if key != "prompt_tokens" or counted[key] or frontend == "python"
+        )
+        if frontend == "python":
+            text += (
+                'vllm:cache_config_info{block_size="16",'
+                f'enable_prefix_caching="{prefix_caching}"}} 1.0\n'
+            )
+        return text.encode()
+
+    def count(prompt: str) -> None:
+        counted["prompt_tokens"] += len(prompt)
+        if prefix_caching:
+            counted["queries"] += len(prompt)
+            counted["hits"] += len(prompt) - 1 if prompt in seen else 0
+        seen.add(prompt)
 
     class Handler(BaseHTTPRequestHandler):
         def log_message(self, *args) -> None:  # keep test output clean
@@ -52,13 +93,7 @@ def serving(
             elif self.path == "/version":
                 self.reply(200, {"version": VLLM_VERSION})
             elif self.path == "/metrics":
-                data = b"# vLLM metrics\n"
-                if prefix_caching is not None:
-                    data += (
-                        'vllm:cache_config_info{block_size="16",'
-                        f'enable_prefix_caching="{prefix_caching}"'
-                        "} 1.0\n"
-                    ).encode()
+                data = metrics()
                 self.send_response(200)
                 self.send_header("Content-Type", "text/plain")
                 self.send_header("Content-Length", str(len(data)))
@@ -94,6 +129,8 @@ def serving(
                 return
             prompts = body["prompt"]
             prompts = [prompts] if isinstance(prompts, str) else prompts
+            for prompt in prompts:
+                count(prompt)
             self.reply(
                 200,
                 {
@@ -108,6 +145,7 @@ def serving(
                         }
                         for i, p in enumerate(prompts)
                     ],
+                    "usage": {"prompt_tokens": sum(map(len, prompts))},
                 },
             )
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eval import bench
+from eval import bench, openai_server
 from tests.eval.fake_openai import serving
 from tests.eval.test_serve import SERVED_ENV
 
@@ -298,13 +298,23 @@ def test_failed_point_stops_the_sweep_and_a_rerun_resumes(tmp_path):
     assert manifest["serve_env"] == SERVED_ENV
 
 
+@pytest.mark.parametrize("frontend", ["python", "rust"])
 @pytest.mark.parametrize(
-    ("caching", "message"),
-    [(True, "has prefix caching on"), (None, "does not report")],
-)
-def test_prefix_caching_is_refused_unless_allowed(tmp_path, caching, message):
+    ("caching", "message", "recorded"),
+    [
+        # The allowed run probes again: both prompts now hit.
+        (True, "has prefix caching on: /metrics counted 720 prefix-cache "
+         "queries and 359 hits for the 720 prompt tokens sent",
+         "/metrics counted 720 prefix-cache queries and 718 hits"),
+        (None, "does not say if it caches: /metrics has no "
+         "vllm:prefix_cache_queries", "/metrics has no vllm:prefix_cache_queries"),
+    ],
+)  # fmt: skip
+def test_prefix_caching_is_refused_unless_allowed(
+    tmp_path, frontend, caching, message, recorded
+):
     vllm = fake_vllm(tmp_path)
-    with serving("Kimi-K3", prefix_caching=caching) as url:
+    with serving("Kimi-K3", prefix_caching=caching, frontend=frontend) as url:
         refused = sweep(tmp_path / "results", url, vllm)
         assert refused.returncode == 1
         assert message in refused.stderr
@@ -312,6 +322,44 @@ def test_prefix_caching_is_refused_unless_allowed(tmp_path, caching, message):
         assert not (tmp_path / "calls.log").exists()
         allowed = sweep(tmp_path / "results", url, vllm, "--allow-prefix-caching")
         assert allowed.returncode == 0, allowed.stderr
+    manifest = json.loads((tmp_path / "results/mega-sp/manifest.json").read_text())
+    assert manifest["runs"][0]["prefix_caching"]["observed"].startswith(recorded)
+
+
+@pytest.mark.parametrize("frontend", ["python", "rust"])
+def test_prefix_caching_off_is_established_from_the_counters(tmp_path, frontend):
+    """Without ``cache_config_info`` (the Rust frontend) the counters decide:
+    none of the probe's prompt tokens was a prefix-cache query."""
+    results = tmp_path / "results"
+    with serving("Kimi-K3", frontend=frontend) as url:
+        proc = sweep(results, url, fake_vllm(tmp_path), points="128x1")
+    assert proc.returncode == 0, proc.stderr
+    manifest = json.loads((results / "mega-sp" / "manifest.json").read_text())
+    assert manifest["runs"][0]["prefix_caching"] == {
+        "probe": "the same prompt twice, one output token each",
+        "prompt_tokens_sent": 720,
+        "queries": 0,
+        "hits": 0,
+        "prompt_tokens": 720,
+        "observed": "/metrics counted 0 prefix-cache queries and 0 hits for the "
+        "720 prompt tokens sent (vllm:prefix_cache_queries, vllm:prefix_cache_hits)",
+    }
+
+
+def test_prefix_caching_probe_that_the_counters_miss_is_not_an_answer(
+    tmp_path, monkeypatch
+):
+    """Counters that never count the probe's prompt say nothing: no verdict
+    of off from a stale /metrics."""
+    monkeypatch.setattr(openai_server, "PROBE_WAIT_S", 0.5)
+    with serving("Kimi-K3") as url:
+        sent = openai_server.complete_once
+        monkeypatch.setattr(openai_server, "complete_once", lambda *a: sent(*a) + 1)
+        caching, evidence = openai_server.prefix_caching(url, "Kimi-K3")
+    assert caching is None
+    assert evidence["observed"] == (
+        "vllm:prompt_tokens counted 720 of the 722 prompt tokens sent in 0.5 s"
+    )
 
 
 def test_repeats_run_every_point_once_then_again_run_k_in_its_own_file(tmp_path):
