@@ -102,11 +102,10 @@ def test_a_magicmock_model_declares_nothing_with_one_warning(monkeypatch):
     )
     model = mock.MagicMock()
     assert interfaces.supports_pp_all_gather_overrides(model)  # looks the part
-    declaration = interfaces.get_pp_hand_off_declaration(model)
-    assert declaration == interfaces.PPHandOffDeclaration()
-    # What the legacy runner's load_model kept; steps ask nothing more.
+    # What the legacy runner's load_model keeps; steps ask nothing more.
     runner = types.SimpleNamespace(
-        intermediate_tensors=intermediate(64), _pp_hand_off=declaration
+        intermediate_tensors=intermediate(64),
+        _pp_hand_off=interfaces.get_pp_hand_off_declaration(model),
     )
     for rows in (TOKENS, TOKENS + 2):
         received = intermediate(rows)
@@ -115,6 +114,7 @@ def test_a_magicmock_model_declares_nothing_with_one_warning(monkeypatch):
         )
         for key, tensor in handed.items():
             torch.testing.assert_close(tensor, received[key][:TOKENS])
+    assert runner._pp_hand_off == interfaces.PPHandOffDeclaration()
     assert len(warnings) == 1
     assert "taken as undeclared" in warnings[0][0]
 
