@@ -1,12 +1,13 @@
-"""What the runners' row check adds to a PP step's hand-over, on the host.
+"""What a PP step asks of the model's hand-off declaration, on the host.
 
-Every real step on a later PP stage hands the received tensors over through
-``hand_over_intermediate_tensors``, which now asks the model how many rows it
-expects (``get_pp_num_rows``) and checks them (``accepts_hand_off``) before
-the copy. Both are host-side integer work; this times them with ``timeit``
-(best of ``--repeat`` runs), beside the whole hand-over of a decode-sized step
-and beside ``get_pp_all_gather_overrides``, which the worker already asks
-twice per step. Kimi K3's own classes answer, built without weights.
+The worker and both runners take the model's declaration once, when the
+model is loaded (``get_pp_hand_off_declaration``): a step reads the kept
+all-gather overrides on its receive and send (an attribute read) and calls
+the kept row rule (``expected_rows``), which ``hand_over_intermediate_tensors``
+checks (``accepts_hand_off``) before the copy. This times them with
+``timeit`` (best of ``--repeat`` runs), beside taking the declaration (once
+at load) and the whole hand-over of a decode-sized step. Kimi K3's own
+classes answer, built without weights.
 
     .venv/bin/python -m eval.hand_over_cost [--tokens 64] [--tp 8]
 """
@@ -31,10 +32,7 @@ def measurements(
     import torch
     from torch import nn
 
-    from vllm.model_executor.models.interfaces import (
-        get_pp_all_gather_overrides,
-        get_pp_num_rows,
-    )
+    from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
     from vllm.models.kimi_k3.nvidia import model as k3
     from vllm.sequence import IntermediateTensors
     from vllm.v1.worker.pp_intermediate_tensors import (
@@ -63,32 +61,38 @@ def measurements(
     received = IntermediateTensors(
         {k: torch.zeros(rows, hidden, dtype=torch.bfloat16) for k in keys}
     )
-    cases: list[tuple[str, Callable[[], object]]] = [
-        (
-            "get_pp_num_rows, K3 multimodal wrapper",
-            lambda: get_pp_num_rows(wrapper, tokens),
-        ),
-        ("get_pp_num_rows, K3 causal LM", lambda: get_pp_num_rows(causal_lm, tokens)),
-        (
-            "get_pp_num_rows, a model that declares nothing",
-            lambda: get_pp_num_rows(other, tokens),
-        ),
-        ("accepts_hand_off", lambda: accepts_hand_off(rows, tokens, rows)),
-        (
-            "get_pp_all_gather_overrides, K3 multimodal wrapper "
-            "(the worker asks it twice per step already)",
-            lambda: get_pp_all_gather_overrides(wrapper),
-        ),
-        (
-            f"hand_over_intermediate_tensors, whole call "
-            f"({rows} rows x {hidden} bf16, 2 keys, CPU copy)",
-            lambda: hand_over_intermediate_tensors(buffers, received, tokens, wrapper),
-        ),
-    ]
     # No process group here: the model's TP size is this run's --tp.
     saved = k3.get_tensor_model_parallel_world_size
     k3.get_tensor_model_parallel_world_size = lambda: tp
     try:
+        kept_by = {
+            "the K3 multimodal wrapper": get_pp_hand_off_declaration(wrapper),
+            "the K3 causal LM": get_pp_hand_off_declaration(causal_lm),
+            "a model that declares nothing": get_pp_hand_off_declaration(other),
+        }
+        cases: list[tuple[str, Callable[[], object]]] = [
+            (
+                f"expected_rows, per step, kept from {name}",
+                lambda kept=kept: kept.expected_rows(tokens),
+            )
+            for name, kept in kept_by.items()
+        ]
+        kept = kept_by["the K3 multimodal wrapper"]
+        cases += [
+            (
+                "accepts_hand_off, per step",
+                lambda: accepts_hand_off(rows, tokens, rows),
+            ),
+            (
+                "get_pp_hand_off_declaration, once at load, K3 multimodal wrapper",
+                lambda: get_pp_hand_off_declaration(wrapper),
+            ),
+            (
+                f"hand_over_intermediate_tensors, whole call "
+                f"({rows} rows x {hidden} bf16, 2 keys, CPU copy)",
+                lambda: hand_over_intermediate_tensors(buffers, received, tokens, kept),
+            ),
+        ]
         return [(name, best_us(call, number, repeat)) for name, call in cases]
     finally:
         k3.get_tensor_model_parallel_world_size = saved

@@ -8,11 +8,12 @@ def test_each_measurement_is_a_time_per_call(capsys):
     assert hand_over_cost.main(["--number", "20", "--repeat", "1"]) == 0
     lines = capsys.readouterr().out.splitlines()
     names = [line.split(" us  ", 1)[1] for line in lines]
-    assert names[:4] == [
-        "get_pp_num_rows, K3 multimodal wrapper",
-        "get_pp_num_rows, K3 causal LM",
-        "get_pp_num_rows, a model that declares nothing",
-        "accepts_hand_off",
+    assert names[:5] == [
+        "expected_rows, per step, kept from the K3 multimodal wrapper",
+        "expected_rows, per step, kept from the K3 causal LM",
+        "expected_rows, per step, kept from a model that declares nothing",
+        "accepts_hand_off, per step",
+        "get_pp_hand_off_declaration, once at load, K3 multimodal wrapper",
     ]
     assert names[5].startswith("hand_over_intermediate_tensors, whole call (8 rows")
     assert all(float(line.split(" us  ")[0]) > 0 for line in lines)

@@ -239,10 +239,12 @@ def same_values(a: IntermediateTensors, b: IntermediateTensors) -> bool:
 def check_graph_replay(stage: Stage, log: Callable[[str], None]) -> list[str]:
     """Replay steps through the runner's hand-over and the manager's replay;
     return every way they went wrong."""
+    from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
     from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
 
     problems: list[str] = []
     manager, buffers = stage.manager, stage.buffers
+    hand_off = get_pp_hand_off_declaration(stage.model)
     captured = manager.captured_token_counts()
     if captured != CAPTURE_SIZES:
         problems.append(f"captured {captured}, expected {CAPTURE_SIZES}")
@@ -266,7 +268,7 @@ def check_graph_replay(stage: Stage, log: Callable[[str], None]) -> list[str]:
         padded = desc.num_tokens
         rows = sp_shard_rows(padded, DECLARED_TP)
         received = received_shard(rows, seed=100 + step, device=stage.device)
-        handed = hand_over_intermediate_tensors(buffers, received, padded, stage.model)
+        handed = hand_over_intermediate_tensors(buffers, received, padded, hand_off)
         output = manager.run_fullgraph(desc)
         expected = eager_output(stage, received, padded)
         # What capture recorded: the stage on the buffers' zeros.
@@ -306,12 +308,14 @@ class FakeV2Runner(types.SimpleNamespace):
     no-ops for request bookkeeping, connectors and timing."""
 
     def __init__(self, stage: Stage) -> None:
+        from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
         from vllm.v1.worker.gpu.pp_utils import PPHandler
 
         noop = lambda *args, **kwargs: None  # noqa: E731
         relay = types.SimpleNamespace(aux_hidden_state_relay_keys=())
         super().__init__(
             model=stage.model,
+            _pp_hand_off=get_pp_hand_off_declaration(stage.model),
             intermediate_tensors=stage.buffers,
             input_buffers=stage.input_buffers,
             cudagraph_manager=stage.manager,

@@ -32,6 +32,7 @@ from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import RowParallelLinear
+from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
 from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
@@ -148,6 +149,7 @@ class StandInModelRunner:
             setattr(tiny_k3.k3, name, RequestMixer)
         self.stack.enter_context(torch.no_grad())
         self.model = tiny_k3.build_model(config, SEED)
+        self.hand_off = get_pp_hand_off_declaration(self.model)
         self.lm_head = tiny_k3.full_weight(
             "lm_head.weight", (tiny_k3.VOCAB, tiny_k3.HIDDEN), SEED
         )
@@ -212,7 +214,7 @@ class StandInModelRunner:
         intermediate = None
         if self.buffers is not None:
             intermediate = hand_over_intermediate_tensors(
-                self.buffers, received, num_tokens, self.model
+                self.buffers, received, num_tokens, self.hand_off
             )
         return self.model(ids, positions, intermediate)
 

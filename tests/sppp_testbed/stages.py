@@ -58,6 +58,14 @@ except ImportError:  # pristine vLLM (non-regression runs) sends as 0.33.0 does
         return None
 
 
+try:  # what the patched runners keep from load_model
+    from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
+except ImportError:  # pristine vLLM's runner keeps nothing
+
+    def get_pp_hand_off_declaration(model: torch.nn.Module) -> None:
+        return None
+
+
 @dataclass(frozen=True)
 class Scenario:
     """What one step runs: the options a user would set, and the batch."""
@@ -260,6 +268,7 @@ def through_legacy_runner(
             RUNNER_CAPACITY, torch.get_default_dtype(), torch.device("cpu")
         ),
         get_model=lambda: model,
+        _pp_hand_off=get_pp_hand_off_declaration(model),
     )
     return GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, received, True

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from vllm.benchmarks.forward import pipeline
+from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
 from vllm.models.common.ops.sequence_parallel import sp_shard_rows
 from vllm.sequence import IntermediateTensors
 
@@ -79,7 +80,7 @@ def test_later_stage_gets_exactly_the_shard_it_was_sent(num_tokens, tp, monkeypa
 
     bench = types.SimpleNamespace(
         all_gather_tensors=OVERRIDES,
-        runner=types.SimpleNamespace(model=ShardedModel(tp)),
+        hand_off=get_pp_hand_off_declaration(ShardedModel(tp)),
         batch=None,
         _input_batch=types.SimpleNamespace(num_tokens_after_padding=num_tokens),
         _make_forward=make_forward,

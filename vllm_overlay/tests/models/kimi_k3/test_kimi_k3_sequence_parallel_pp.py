@@ -210,7 +210,9 @@ def test_wrappers_delegate_the_overrides_and_the_rows(wrapper, inner):
         get_pp_intermediate_tensor_all_gather_overrides=lambda: declared,
         get_pp_intermediate_tensor_num_rows=lambda num_tokens: num_tokens + 100,
     )
-    outer = types.SimpleNamespace(**{inner: inner_model})
+    outer = object.__new__(wrapper)
+    torch.nn.Module.__init__(outer)
+    setattr(outer, inner, inner_model)
     assert wrapper.get_pp_intermediate_tensor_all_gather_overrides(outer) is declared
     assert wrapper.get_pp_intermediate_tensor_num_rows(outer, 17) == 117
 
@@ -233,10 +235,9 @@ def test_multimodal_wrapper_reaches_the_text_model(monkeypatch):
             (causal_lm, k3.KimiLinearForCausalLM),
         ):
             setattr(obj, name, types.MethodType(getattr(cls, name), obj))
-    wrapper = types.SimpleNamespace(language_model=causal_lm)
-    for name in METHODS:
-        method = getattr(k3.KimiK3ForConditionalGeneration, name)
-        setattr(wrapper, name, types.MethodType(method, wrapper))
+    wrapper = object.__new__(k3.KimiK3ForConditionalGeneration)
+    torch.nn.Module.__init__(wrapper)
+    wrapper.language_model = causal_lm
     assert get_pp_all_gather_overrides(wrapper) == {
         "hidden_states": False,
         "residual": False,

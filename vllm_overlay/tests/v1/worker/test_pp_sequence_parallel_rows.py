@@ -19,6 +19,10 @@ import pytest
 import torch
 
 from vllm.config import CUDAGraphMode
+from vllm.model_executor.models.interfaces import (
+    PPHandOffDeclaration,
+    get_pp_hand_off_declaration,
+)
 from vllm.models.common.ops.sequence_parallel import sp_shard_rows
 from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
 from vllm.sequence import IntermediateTensors
@@ -73,9 +77,17 @@ REPLICATED = object()  # a model that declares nothing, as every other model
 
 
 def legacy_runner(model: object) -> types.SimpleNamespace:
+    """The legacy runner's state after load_model took ``model``'s
+    declaration."""
     return types.SimpleNamespace(
-        intermediate_tensors=persistent_buffers(), get_model=lambda: model
+        intermediate_tensors=persistent_buffers(),
+        _pp_hand_off=get_pp_hand_off_declaration(model),
     )
+
+
+def row_rule(model: object) -> PPHandOffDeclaration:
+    """The declaration a runner keeps from ``model``."""
+    return get_pp_hand_off_declaration(model)
 
 
 def test_row_count_is_the_one_every_tensor_shares():
@@ -188,7 +200,7 @@ def test_both_runners_cut_a_hand_off_longer_than_the_batch(num_tokens):
         legacy_runner(REPLICATED), num_tokens, received, True
     )
     v2 = pp_rows.hand_over_intermediate_tensors(
-        persistent_buffers(), received, num_tokens, REPLICATED
+        persistent_buffers(), received, num_tokens, row_rule(REPLICATED)
     )
     for handed in (legacy, v2):
         for key, tensor in handed.items():
@@ -251,9 +263,9 @@ def test_v2_hand_over_copies_real_steps_and_passes_dummy_buffers(num_tokens, tp)
     run (memory and graph profiling go through the dummy run)."""
     buffers = persistent_buffers()
     received = hand_off(sp_shard_rows(num_tokens, tp), seed=tp)
-    model = ShardedModel(tp)
-    real = pp_rows.hand_over_intermediate_tensors(buffers, received, num_tokens, model)
-    dummy = pp_rows.hand_over_intermediate_tensors(buffers, None, num_tokens, model)
+    rule = row_rule(ShardedModel(tp))
+    real = pp_rows.hand_over_intermediate_tensors(buffers, received, num_tokens, rule)
+    dummy = pp_rows.hand_over_intermediate_tensors(buffers, None, num_tokens, rule)
     for key in received.tensors:
         torch.testing.assert_close(real[key], received[key], rtol=0, atol=0)
         assert dummy[key].shape[0] == num_tokens
@@ -288,7 +300,7 @@ def test_buffers_keep_full_capacity_when_a_hand_over_raises():
             "residual": torch.zeros(64, BANK, HIDDEN),
         }
     )
-    model = ShardedModel(8)
+    model = row_rule(ShardedModel(8))
     with pytest.raises(ValueError, match="hidden_states: 8, residual: 64"):
         pp_rows.hand_over_intermediate_tensors(buffers, mixed, 64, model)
     assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
@@ -336,7 +348,7 @@ def test_v2_hands_over_before_it_replays_a_graph():
     graph replay reads the buffers it fills."""
     source = inspect.getsource(V2ModelRunner.execute_model)
     hand_over = source.index("hand_over_intermediate_tensors(")
-    assert "self.model," in source[hand_over : source.index(")", hand_over) + 40]
+    assert "self._pp_hand_off," in source[hand_over : hand_over + 400]
     assert hand_over < source.index("self.cudagraph_manager.run_fullgraph(")
 
 

@@ -9,7 +9,7 @@ step (at least ``N`` for a model that declares none, as before) and keep
 their persistent receive buffers at full capacity.
 """
 
-from vllm.model_executor.models.interfaces import get_pp_num_rows
+from vllm.model_executor.models.interfaces import PPHandOffDeclaration
 from vllm.sequence import IntermediateTensors
 
 
@@ -43,22 +43,24 @@ def hand_over_intermediate_tensors(
     buffers: IntermediateTensors,
     received: IntermediateTensors | None,
     num_tokens: int,
-    model: object,
+    hand_off: PPHandOffDeclaration,
 ) -> IntermediateTensors:
     """What a runner hands the model on a non-first PP stage.
 
     A real step checks the received rows against what the model expects for
     ``num_tokens`` before copying them into the leading rows of the
-    persistent ``buffers``, and hands exactly those rows. Checking here, not
-    in the model, covers CUDA graph replays too. Without ``received`` (dummy
-    runs, profiling, capture) the buffers' first ``num_tokens`` rows go as
-    they are, and a sequence-parallel model narrows them itself: to the same
-    leading rows a real step writes, where captured graphs read.
+    persistent ``buffers``, and hands exactly those rows: ``hand_off`` is
+    the model's declaration, which the runner took when it loaded the model.
+    Checking here, not in the model, covers CUDA graph replays too. Without
+    ``received`` (dummy runs, profiling, capture) the buffers' first
+    ``num_tokens`` rows go as they are, and a sequence-parallel model
+    narrows them itself: to the same leading rows a real step writes, where
+    captured graphs read.
     """
     if received is None:
         return buffers[:num_tokens]
     rows = intermediate_tensors_num_rows(received)
-    expected = get_pp_num_rows(model, num_tokens)
+    expected = hand_off.expected_rows(num_tokens)
     if not accepts_hand_off(rows, num_tokens, expected):
         raise ValueError(
             f"Received PP intermediate tensors of {rows} rows for a step of "

@@ -1,0 +1,147 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The model's PP hand-off declaration is taken once, when the model is
+loaded: a worker assembled without load_model hands off as vLLM 0.33.0 does,
+and a stand-in model that only looks like the protocol declares nothing."""
+
+import types
+from unittest import mock
+
+import pytest
+import torch
+
+from vllm.model_executor.models import interfaces
+from vllm.sequence import IntermediateTensors
+from vllm.v1.worker import gpu_worker
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.gpu_worker import Worker
+
+TOKENS = 6
+HIDDEN = 4
+
+
+def intermediate(rows: int) -> IntermediateTensors:
+    return IntermediateTensors(
+        {k: torch.randn(rows, HIDDEN) for k in ("hidden_states", "residual")}
+    )
+
+
+class PPGroup:
+    """A middle PP stage's group: records every receive and send."""
+
+    is_first_rank = False
+    is_last_rank = False
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict]] = []
+
+    def irecv_tensor_dict(self, **kwargs):
+        self.calls.append(("irecv", kwargs))
+        return intermediate(TOKENS).tensors, [], []
+
+    def isend_tensor_dict(self, tensors, **kwargs):
+        self.calls.append(("isend", kwargs))
+        return [None]
+
+
+class StubRunner:
+    """A runner that hands its input on: no model, no get_model."""
+
+    def __init__(self) -> None:
+        self.received: list[IntermediateTensors | None] = []
+
+    def execute_model(self, scheduler_output, intermediate_tensors=None):
+        self.received.append(intermediate_tensors)
+        return intermediate(TOKENS)
+
+
+@pytest.fixture
+def pp_group(monkeypatch) -> PPGroup:
+    group = PPGroup()
+    monkeypatch.setattr(gpu_worker, "get_pp_group", lambda: group)
+    monkeypatch.setattr(gpu_worker, "get_tp_group", lambda: "tp")
+    return group
+
+
+def worker_without_load_model() -> Worker:
+    worker = Worker.__new__(Worker)
+    worker._pp_send_work = []
+    worker.profiler = None
+    worker.use_v2_model_runner = False
+    worker.model_runner = StubRunner()
+    worker.vllm_config = types.SimpleNamespace(
+        parallel_config=types.SimpleNamespace(distributed_executor_backend="mp")
+    )
+    return worker
+
+
+def test_a_worker_without_load_model_hands_off_as_before(pp_group):
+    worker = worker_without_load_model()
+    step = types.SimpleNamespace(total_num_scheduled_tokens=TOKENS)
+    for _ in range(2):
+        assert worker.execute_model(step) is None
+    # Each step receives, runs, sends; the transport's default both ways.
+    assert [name for name, _ in pp_group.calls] == ["irecv", "isend"] * 2
+    for _, kwargs in pp_group.calls:
+        assert kwargs == {"all_gather_group": "tp", "all_gather_tensors": None}
+    assert all(r is not None for r in worker.model_runner.received)
+
+
+def test_a_worker_sends_and_receives_the_declaration_it_kept(pp_group):
+    worker = worker_without_load_model()
+    worker._pp_all_gather_tensors = {"hidden_states": False}
+    worker.execute_model(types.SimpleNamespace(total_num_scheduled_tokens=TOKENS))
+    assert [kwargs["all_gather_tensors"] for _, kwargs in pp_group.calls] == [
+        {"hidden_states": False}
+    ] * 2
+
+
+def test_a_magicmock_model_declares_nothing_with_one_warning(monkeypatch):
+    warnings = []
+    monkeypatch.setattr(
+        interfaces.logger, "warning_once", lambda *args: warnings.append(args)
+    )
+    model = mock.MagicMock()
+    assert interfaces.supports_pp_all_gather_overrides(model)  # looks the part
+    # What the legacy runner's load_model keeps; steps ask nothing more.
+    runner = types.SimpleNamespace(
+        intermediate_tensors=intermediate(64),
+        _pp_hand_off=interfaces.get_pp_hand_off_declaration(model),
+    )
+    for rows in (TOKENS, TOKENS + 2):
+        received = intermediate(rows)
+        handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
+            runner, TOKENS, received, True
+        )
+        for key, tensor in handed.items():
+            torch.testing.assert_close(tensor, received[key][:TOKENS])
+    assert runner._pp_hand_off == interfaces.PPHandOffDeclaration()
+    assert len(warnings) == 1
+    assert "taken as undeclared" in warnings[0][0]
+
+
+class Declares:
+    def __init__(self, overrides: object, rows: object) -> None:
+        self.overrides, self.rows = overrides, rows
+
+    def get_pp_intermediate_tensor_all_gather_overrides(self):
+        return self.overrides
+
+    def get_pp_intermediate_tensor_num_rows(self, num_tokens):
+        return self.rows
+
+
+@pytest.mark.parametrize(
+    "overrides, rows",
+    [(["hidden_states"], None), ({"hidden_states": 0}, None), ({}, 1.0), ({}, True)],
+)
+def test_answers_of_other_types_declare_nothing(overrides, rows):
+    declared = interfaces.get_pp_hand_off_declaration(Declares(overrides, rows))
+    assert declared == interfaces.PPHandOffDeclaration()
+
+
+def test_a_declaration_of_the_promised_types_is_kept():
+    declared = interfaces.get_pp_hand_off_declaration(
+        Declares({"hidden_states": False}, 3)
+    )
+    assert declared.all_gather_tensors == {"hidden_states": False}
+    assert declared.expected_rows(17) == 3
