@@ -548,7 +548,7 @@ def not_tried(rest: list[Patch]) -> str:
         + "\nnothing was written; `git am -3` of the series in a git clone of "
         "that vLLM stops at this patch: resolve it there, `git am "
         "--continue`, and `git format-patch` the commits into the new patch set "
-        "(README: Upstreaming)"
+        "(docs/editing-and-upstreaming.md: Upstreaming)"
     )
 
 

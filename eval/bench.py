@@ -322,7 +322,7 @@ def headline(point: Point, result: dict) -> str:
 
 def describe(sweep: Sweep, points: list[Point]) -> str:
     """What a sweep asks for, printed as it starts: its length in waves and
-    in decode steps that run one after another (README: how long it takes)."""
+    in decode steps that run one after another (docs/evaluation.md: "How long")."""
     measured = sum(p.num_prompts for p in points)
     warmups = sum(p.num_warmups for p in points)
     waves = sum(p.waves_in_sequence for p in points)
