@@ -476,3 +476,145 @@ def check_execute_model(
     finally:
         manager.run_fullgraph = replay
     return problems
+
+
+def strong_ref_tensors(tensors: Any) -> Any:
+    """Stand-in for ``weak_ref_tensors`` (``torch.ops._C.weak_ref_tensor``
+    is compiled): the same storage, held by an ordinary view. A replay
+    returns the same tensors either way; only their lifetime differs."""
+    if isinstance(tensors, IntermediateTensors):
+        return IntermediateTensors({k: v.view(v.shape) for k, v in tensors.items()})
+    return tensors.view(tensors.shape)
+
+
+def capture_legacy_graphs(device: torch.device) -> Stage:
+    """Capture FULL graphs of :class:`ShardedStage` with the legacy runner's
+    ``CUDAGraphWrapper``, as its ``_dummy_run`` does: vLLM's
+    ``CudagraphDispatcher`` picks each capture size's descriptor, the runner's
+    hand-over gives the full-capacity buffers' first ``N`` rows (no tensors
+    received) and the model narrows them (call under
+    :func:`declared_topology`)."""
+    from vllm.compilation import cuda_graph
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+
+    cuda_graph.weak_ref_tensors = strong_ref_tensors
+    print("[k3-sppp stand-in] vllm.compilation.cuda_graph.weak_ref_tensors")
+    config = graph_config()
+    dispatcher = CudagraphDispatcher(config)
+    dispatcher.initialize_cudagraph_keys(CUDAGraphMode.FULL, 1)
+    model = ShardedStage().to(device)
+    wrapper = cuda_graph.CUDAGraphWrapper(model, config, CUDAGraphMode.FULL)
+    buffers = IntermediateTensors(
+        {
+            key: torch.zeros(CAPACITY, HIDDEN, device=device)
+            for key in ("hidden_states", "residual")
+        }
+    )
+    positions = torch.zeros(CAPACITY, dtype=torch.long, device=device)
+    hand_off = get_pp_hand_off_declaration(model)
+    for num_tokens in reversed(CAPTURE_SIZES):  # largest first, as the runner
+        mode, desc = dispatcher.dispatch(num_tokens)
+        for run_mode in (CUDAGraphMode.NONE, mode):  # warm-up, then capture
+            with (
+                set_forward_context(
+                    None,
+                    config,
+                    num_tokens=num_tokens,
+                    cudagraph_runtime_mode=run_mode,
+                    batch_descriptor=desc,
+                ),
+                torch.inference_mode(),
+            ):
+                wrapper(
+                    None,
+                    positions[:num_tokens],
+                    hand_over_intermediate_tensors(buffers, None, num_tokens, hand_off),
+                )
+    return Stage(
+        config=config,
+        dispatcher=dispatcher,
+        wrapper=wrapper,
+        model=model,
+        buffers=buffers,
+        positions=positions,
+        device=device,
+    )
+
+
+def check_legacy_graph_replay(
+    stage: Stage,
+    log: Callable[[str], None],
+    hand_over: Callable[..., IntermediateTensors] | None = None,
+) -> list[str]:
+    """Real steps as the legacy runner runs them on a middle stage: dispatch,
+    hand-over of the received shard into the persistent buffers (the
+    series' ``hand_over_intermediate_tensors`` unless another is given),
+    replay of the ``CUDAGraphWrapper``; return every way they went wrong."""
+    from vllm.forward_context import set_forward_context
+    from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
+    from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+
+    hand_over = hand_over or hand_over_intermediate_tensors
+
+    problems: list[str] = []
+    wrapper, buffers = stage.wrapper, stage.buffers
+    hand_off = get_pp_hand_off_declaration(stage.model)
+    entries = wrapper.concrete_cudagraph_entries
+    captured = sorted(d.num_tokens for d, e in entries.items() if e.cudagraph)
+    if captured != CAPTURE_SIZES:
+        problems.append(f"captured {captured}, expected {CAPTURE_SIZES}")
+    rows_recorded = {
+        d.num_tokens: {t.shape[0] for t in e.output.tensors.values()}
+        for d, e in entries.items()
+    }
+    for num_tokens, rows in rows_recorded.items():
+        if rows != {sp_shard_rows(num_tokens, DECLARED_TP)}:
+            problems.append(f"graph N={num_tokens} captured an output of {rows} rows")
+    log(
+        f"legacy CUDAGraphWrapper captured FULL graphs for N={captured}; output rows: "
+        + ", ".join(f"{n}:{sorted(r)[0]}" for n, r in sorted(rows_recorded.items()))
+    )
+    before = pointers(buffers)
+    for step, num_tokens in enumerate(STEP_TOKENS):
+        mode, desc = stage.dispatcher.dispatch(num_tokens)
+        if mode != CUDAGraphMode.FULL:
+            problems.append(f"N={num_tokens} dispatched {mode}, not FULL")
+            continue
+        padded = desc.num_tokens
+        rows = sp_shard_rows(padded, DECLARED_TP)
+        received = received_shard(rows, seed=300 + step, device=stage.device)
+        handed = hand_over(buffers, received, padded, hand_off)
+        with (
+            set_forward_context(
+                None,
+                stage.config,
+                num_tokens=padded,
+                cudagraph_runtime_mode=mode,
+                batch_descriptor=desc,
+            ),
+            torch.inference_mode(),
+        ):
+            output = wrapper(None, stage.positions[:padded], handed)
+        torch.cuda.synchronize()
+        expected = eager_output(stage, received, padded)
+        if pointers(handed) != before or pointers(buffers) != before:
+            problems.append(f"N={num_tokens}: hand-over moved the persistent buffers")
+        shapes = {t.shape[0] for t in output.tensors.values()}
+        if shapes != {rows}:
+            problems.append(f"N={num_tokens} (graph {padded}): replay rows {shapes}")
+        elif not same_values(output, expected):
+            problems.append(
+                f"N={num_tokens} (graph {padded}): replay does not hold what this "
+                "step computed from the rows received"
+            )
+        if pointers(output) != pointers(entries[desc].output):
+            problems.append(f"N={num_tokens}: replay is not the captured output")
+        log(
+            f"legacy step {step}: N={num_tokens} -> graph N={padded}, received {rows} "
+            f"rows, replay returned {sorted(shapes)} rows, "
+            f"matches eager: {shapes == {rows} and same_values(output, expected)}"
+        )
+    return problems

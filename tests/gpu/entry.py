@@ -4,8 +4,9 @@
 Refuses (exit 2) where torch sees no CUDA GPU, before installing anything.
 Otherwise unpacks the patched vLLM sources and the wheels under
 ``/tmp/k3-sppp-gpu``, puts the import stand-ins last on ``sys.meta_path``,
-and runs each named check (``tiny-k3``, ``graphs``, ``execute-model``, or
-``all``) in its own process, printing a header of versions first.
+and runs each named check (``tiny-k3``, ``graphs``, ``legacy-graphs``,
+``execute-model``, or ``all``) in its own process, printing a header of
+versions first.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import tarfile
 
 BUNDLE = os.path.dirname(os.path.abspath(__file__))
 SITE = "/tmp/k3-sppp-gpu/site"
-CHECKS = ("tiny-k3", "graphs", "execute-model")
+CHECKS = ("tiny-k3", "graphs", "legacy-graphs", "execute-model")
 
 
 def refuse_without_gpu() -> None:
