@@ -57,11 +57,13 @@ from _apply import (
 PULLS = "pull-requests.ini"
 PULL_KEYS = ("title", "patches", "overlay", "figures", "to-measure")
 NOT_RUN_HERE = (
-    "Not run here: no GPU path of the model. k3-sppp's tests run on the "
-    "CPU with gloo only: unit tests with fakes, and a tiny Kimi K3 built "
-    "from vLLM's own classes on real TP x PP rank processes against a "
-    "single-process reference; no CUDA graph, DeepGEMM or NCCL path of the "
-    "model has run, and no accuracy or throughput of Kimi K3 was measured."
+    "Not run here: the model on GPUs across ranks. k3-sppp's tests run on "
+    "the CPU with gloo: unit tests with fakes, and a tiny Kimi K3 built from "
+    "vLLM's own classes on real TP x PP rank processes against a "
+    "single-process reference. On one GPU, the same tiny model ran eagerly "
+    "and the runners' hand-over ran under CUDA graphs of a stand-in stage; "
+    "no DeepGEMM, NCCL or other compiled-kernel path of the model has run, "
+    "and no accuracy or throughput of Kimi K3 was measured."
 )
 
 

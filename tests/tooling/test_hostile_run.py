@@ -125,7 +125,7 @@ def test_revert_with_backups_it_cannot_delete_changes_nothing(
         lambda path, mode: Path(path) != backups and real(path, mode),
     )
     args = ["--patch-set", str(patch_set), "revert", "--target", str(small_target)]
-    assert _apply.main(args) == apply.EXIT_ERROR
+    assert apply.main(args) == apply.EXIT_ERROR
     assert tree_digest(small_target) == before
 
 

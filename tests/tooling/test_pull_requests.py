@@ -108,7 +108,7 @@ def test_description_is_vllms_template_from_the_patch_headers(pulls):
         for rel in values(section, "overlay"):
             if rel.startswith("tests/"):
                 assert rel in text.split("## Test Plan")[1].split("## Test Result")[0]
-        assert "Not run here: no GPU path of the model" in text
+        assert "Not run here: the model on GPUs across ranks." in text
 
 
 def test_description_quotes_the_committed_figures_it_names(project, pristine_cache):
