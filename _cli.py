@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("status", cmd_status, "what is applied where, and any drift").add_argument(
         "--json",
         action="store_true",
-        help="print one JSON object instead (schema: apply.status.__doc__, README)",
+        help="print one JSON object instead (schema: docs/apply-tool.md)",
     )
     add("check", cmd_check, "dry run: name every patch and hunk that fails")
     export = add("export", cmd_export, "one unified diff for an upstream pull request")
