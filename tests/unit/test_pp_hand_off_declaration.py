@@ -3,6 +3,7 @@
 loaded: a worker assembled without load_model hands off as vLLM 0.33.0 does,
 and a stand-in model that only looks like the protocol declares nothing."""
 
+import sys
 import types
 from unittest import mock
 
@@ -95,13 +96,17 @@ def test_a_worker_sends_and_receives_the_declaration_it_kept(pp_group):
     ] * 2
 
 
-def test_a_magicmock_model_declares_nothing_with_one_warning(monkeypatch):
+def test_a_magicmock_model_declares_nothing_with_at_most_one_warning(monkeypatch):
+    """Python 3.11's protocol check sees a MagicMock's made-up methods (the
+    declaration is then refused with a warning); 3.12's looks them up
+    statically and finds none. Either way the model declares nothing."""
     warnings = []
     monkeypatch.setattr(
         interfaces.logger, "warning_once", lambda *args: warnings.append(args)
     )
     model = mock.MagicMock()
-    assert interfaces.supports_pp_all_gather_overrides(model)  # looks the part
+    looks_the_part = interfaces.supports_pp_all_gather_overrides(model)
+    assert looks_the_part == (sys.version_info < (3, 12))
     # What the legacy runner's load_model keeps; steps ask nothing more.
     runner = types.SimpleNamespace(
         intermediate_tensors=intermediate(64),
@@ -115,8 +120,8 @@ def test_a_magicmock_model_declares_nothing_with_one_warning(monkeypatch):
         for key, tensor in handed.items():
             torch.testing.assert_close(tensor, received[key][:TOKENS])
     assert runner._pp_hand_off == interfaces.PPHandOffDeclaration()
-    assert len(warnings) == 1
-    assert "taken as undeclared" in warnings[0][0]
+    assert len(warnings) == int(looks_the_part)
+    assert all("taken as undeclared" in warning[0] for warning in warnings)
 
 
 class Declares:
