@@ -5,8 +5,9 @@
 
 (``make gpu-bundle``.) The device has its own torch and Triton, no network
 and takes 64 MiB per call, so the bundle (at most ``MAX_BYTES``) holds: the
-patched vLLM's Python tree from ``.venv`` (``*.py``, ``*.json``, ``*.jinja``
-and its dist-info, no compiled libraries) as ``vllm-src.tar.xz``; wheels
+patched vLLM's Python tree from ``.venv`` (``*.py``, ``*.json``, ``*.jinja``,
+its dist-info and the apply journal with its backups, no compiled libraries)
+as ``vllm-src.tar.xz``; wheels
 for Python 3.12 of the small packages its import chain needs that the device
 lacks (:data:`WHEELS`, at the versions ``.venv`` has, fetched once into
 ``build/gpu-wheels``); the test bed and the GPU checks (``tests/``); and the
@@ -57,6 +58,10 @@ def vllm_source_tar(site_packages: Path) -> bytes:
                 tar.add(path, str(path.relative_to(site_packages)))
         for dist_info in site_packages.glob("vllm-*.dist-info"):
             tar.add(dist_info, dist_info.name)
+        # The apply journal and its backups of the originals: the series'
+        # revision for the stage announcement, and vLLM 0.33.0's own files
+        # for a pristine tree beside the patched one (about 1 MiB).
+        tar.add(site_packages / ".k3_sppp", ".k3_sppp")
     return buffer.getvalue()
 
 
