@@ -91,7 +91,9 @@ def test_worker_execute_model_hands_off_sp_shards(pool, reference):
     results = pool.run(run_worker_steps, STEPS)
     assert all(sequence_parallel for sequence_parallel, _ in results)
     problems = []
-    for rank, (_, outputs) in enumerate(results[-pool.tp :], start=pool.world - pool.tp):
+    for rank, (_, outputs) in enumerate(
+        results[-pool.tp :], start=pool.world - pool.tp
+    ):
         assert len(outputs) == len(STEPS)
         for num_tokens, got in zip(STEPS, outputs, strict=True):
             want = reference(Scenario(sp=False, num_tokens=num_tokens)).hidden_states
