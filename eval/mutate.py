@@ -206,6 +206,18 @@ def mutants_of(rel: str, source: str, lines: set[int]) -> list[Mutant]:
                 dropped = new.keywords.pop(k)
                 if dropped.arg:
                     add(node, f"drop {dropped.arg}=", new)
+            # A keyword the series added to a call that starts on an
+            # unchanged line: "**{}" in its place passes nothing.
+            for kw in node.keywords:
+                if (
+                    kw.arg
+                    and {node.lineno, node.end_lineno} - lines
+                    and {kw.lineno, kw.end_lineno} <= lines
+                ):
+                    start, end = _segment(kw)
+                    out.append(
+                        Mutant(rel, kw.lineno, f"drop {kw.arg}=", start, end, "**{}")
+                    )
         if (
             isinstance(
                 node, ast.Expr | ast.Assign | ast.AugAssign | ast.Assert | ast.Raise
