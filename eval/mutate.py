@@ -8,9 +8,24 @@ under ``vllm_overlay/vllm`` and the ``+`` lines of each patch, followed through
 the later patches of the series) is a mutation site in the installed file. One
 mutant at a time is written there (comparison flipped, ``and``/``or`` swapped,
 ``not`` dropped, integer or boolean constant changed, statement dropped,
-keyword argument left out, ``+``/``-`` swapped), the runtime tests run with
-``-x`` (those that killed a mutant of the same file first), and the original
-bytes go back and are checked against ``patches/patched.sha256``.
+keyword argument left out, ``+``/``-`` swapped), the runtime tests that can
+see it run with ``-x`` (those that killed a mutant of the same file first),
+and the original bytes go back and are checked against
+``patches/patched.sha256``.
+
+Which tests can see a mutant: once per state of the tests and the installed
+bytes, the runtime suite runs with ``eval.mutate_calls``, which records every
+call into the series' files with the test that made it, in the pytest
+process, its threads and every test-bed rank (``build/mutate/calls.json``). A
+mutant inside a function body changes nothing until that function's code
+runs, so only the test files that called it are run; a mutant outside any
+function body (module or class level, a default value, a decorator) runs
+when the module is imported, so every runtime test is run; so is any
+function called outside a test (collection, a rank's start-up). A function
+no test calls is recorded as a survivor without running anything. The
+selection therefore cannot hide a killer, as long as the runtime tests run
+the series only in those processes (they do: ``tests/serving``, whose
+``vllm serve`` processes are not traced, is not among them).
 
 Our own driver, not mutmut or cosmic-ray: mutmut 3 copies the sources into
 ``mutants/`` and rewrites every function with trampolines, which the rank
@@ -42,6 +57,8 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from eval.mutate_calls import EVERY_TEST
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 RUNTIME_TESTS = ("tests/unit", "tests/distributed", "vllm_overlay/tests")
@@ -189,6 +206,18 @@ def mutants_of(rel: str, source: str, lines: set[int]) -> list[Mutant]:
                 dropped = new.keywords.pop(k)
                 if dropped.arg:
                     add(node, f"drop {dropped.arg}=", new)
+            # A keyword the series added to a call that starts on an
+            # unchanged line: "**{}" in its place passes nothing.
+            for kw in node.keywords:
+                if (
+                    kw.arg
+                    and {node.lineno, node.end_lineno} - lines
+                    and {kw.lineno, kw.end_lineno} <= lines
+                ):
+                    start, end = _segment(kw)
+                    out.append(
+                        Mutant(rel, kw.lineno, f"drop {kw.arg}=", start, end, "**{}")
+                    )
         if (
             isinstance(
                 node, ast.Expr | ast.Assign | ast.AugAssign | ast.Assert | ast.Raise
@@ -263,6 +292,89 @@ class Installed:
             self._put_back(info["rel"], bytes.fromhex(info["original"]))
 
 
+def function_first_line(tree: ast.AST, m: Mutant) -> int | None:
+    """``co_firstlineno`` of the innermost function whose body holds the
+    mutant's segment; ``None`` at module or class level."""
+    best = None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            body = node.body
+            first = min([d.lineno for d in node.decorator_list] + [node.lineno])
+        elif isinstance(node, ast.Lambda):
+            body, first = [node.body], node.lineno
+        else:
+            continue
+        (start, _), (_, end) = _segment(body[0]), _segment(body[-1])
+        if start <= m.start and m.end <= end and (best is None or start > best[0]):
+            best = (start, first)
+    return None if best is None else best[1]
+
+
+def calls_map(
+    python: str,
+    root: Path,
+    target: Path,
+    tests: list[str],
+    expected: dict[str, str],
+    state: Path,
+) -> dict[str, dict[str, list[str]]]:
+    """``{installed file: {function's first line: [test files that call
+    it]}}``, from a traced run of the runtime suite (reused while the tests,
+    the installed bytes and the tracer are the same)."""
+    tracer = (PROJECT_DIR / "eval" / "mutate_calls.py").read_bytes()
+    key = hashlib.sha256(
+        json.dumps([tests_digest(root, tests), expected]).encode() + tracer
+    ).hexdigest()[:16]
+    path = state / "calls.json"
+    if path.exists() and (saved := json.loads(path.read_text()))["key"] == key:
+        return saved["calls"]
+    out = state / "calls"
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.jsonl"):
+        old.unlink()
+    env = dict(
+        os.environ,
+        PYTHONDONTWRITEBYTECODE="1",
+        K3_SPPP_MUTATE_CALLS=str(out),
+        K3_SPPP_MUTATE_FILES=os.pathsep.join(str(target / rel) for rel in expected),
+        PYTHONPATH=os.pathsep.join(
+            filter(None, (str(PROJECT_DIR), os.environ.get("PYTHONPATH")))
+        ),
+    )
+    print("mutate: recording which test calls which function (one traced run)")
+    start = time.monotonic()
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    proc = subprocess.run([*cmd, "-p", "eval.mutate_calls", *tests], cwd=root, env=env)
+    if proc.returncode:
+        sys.exit("mutate: the runtime tests fail without a mutant; fix them first")
+    calls: dict[str, dict[str, set[str]]] = {}
+    prefix = str(target) + os.sep
+    for part in out.glob("*.jsonl"):
+        for line in part.read_text().splitlines():
+            rec = json.loads(line)
+            for filename, first in rec["calls"]:
+                rel = filename.removeprefix(prefix)
+                calls.setdefault(rel, {}).setdefault(str(first), set()).add(rec["test"])
+    result = {
+        rel: {line: sorted(t) for line, t in lines.items()}
+        for rel, lines in calls.items()
+    }
+    path.write_text(json.dumps({"key": key, "calls": result}))
+    print(f"mutate: traced run took {time.monotonic() - start:.0f} s")
+    return result
+
+
+def select_tests(
+    calls: dict[str, dict[str, list[str]]], m: Mutant, tree: ast.AST, every: list[str]
+) -> list[str]:
+    """The runtime test files that can see ``m`` (see the module docstring)."""
+    first = function_first_line(tree, m)
+    if first is None:
+        return every
+    callers = calls.get(m.rel, {}).get(str(first), [])
+    return every if EVERY_TEST in callers else callers
+
+
 def read_manifest(path: Path) -> dict[str, str]:
     out = {}
     for line in path.read_text().splitlines():
@@ -318,6 +430,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results", type=Path, default=PROJECT_DIR / "results/mutation")
     p.add_argument("--limit", type=int, help="decide at most N mutants this run")
     p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--files", nargs="+", default=[], help="only these installed files")
+    p.add_argument(
+        "--all-tests",
+        action="store_true",
+        help="run every runtime test for every mutant (no selection)",
+    )
     args = p.parse_args(argv)
     root = args.patch_set.resolve()
     if args.target is None:
@@ -343,8 +461,12 @@ def main(argv: list[str] | None = None) -> int:
             done[rec["id"]] = rec
     tdig = tests_digest(root, args.tests)
     todo, all_ids = [], []
+    trees: dict[str, ast.AST] = {}
     for rel, lines in sorted(added_lines(root).items()):
         source = (args.target / rel).read_text()
+        trees[rel] = ast.parse(source)
+        if args.files and rel not in args.files:
+            continue
         for m in mutants_of(rel, source, lines):
             mid = m.key(expected[rel])
             all_ids.append(mid)
@@ -354,6 +476,11 @@ def main(argv: list[str] | None = None) -> int:
             todo.append((mid, m))
     if args.limit is not None:
         todo = todo[: args.limit]
+    calls = {}
+    if todo and not args.all_tests:
+        calls = calls_map(
+            sys.executable, root, args.target, args.tests, expected, installed.state
+        )
 
     def stop(signum, frame):
         raise KeyboardInterrupt
@@ -369,14 +496,28 @@ def main(argv: list[str] | None = None) -> int:
                 if r["file"].startswith(m.rel + ":") and r["killed_by"]
             ]
             first = sorted(set(killers), key=killers.count, reverse=True)
-            order = [t for t in first if (root / t).exists()] + args.tests
-            installed.write(m.rel, apply_mutant((args.target / m.rel).read_bytes(), m))
-            try:
-                status, by, secs = run_tests(
-                    sys.executable, root, list(dict.fromkeys(order)), args.timeout
+            selected = (
+                args.tests
+                if args.all_tests
+                else select_tests(calls, m, trees[m.rel], args.tests)
+            )
+            order = [
+                t
+                for t in first
+                if (root / t).exists() and (selected is args.tests or t in selected)
+            ] + selected
+            if not order:  # no test calls the function: nothing can kill it
+                status, by, secs = "survived", None, 0.0
+            else:
+                installed.write(
+                    m.rel, apply_mutant((args.target / m.rel).read_bytes(), m)
                 )
-            finally:
-                installed.restore()
+                try:
+                    status, by, secs = run_tests(
+                        sys.executable, root, list(dict.fromkeys(order)), args.timeout
+                    )
+                finally:
+                    installed.restore()
             rec = {
                 "id": mid,
                 "file": f"{m.rel}:{m.line}",
@@ -386,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                 "killed_by": by,
                 "seconds": round(secs, 1),
                 "tests": tdig,
+                "selected": "all" if order and selected is args.tests else selected,
             }
             done[mid] = rec
             with db_path.open("a") as f:

@@ -71,7 +71,7 @@ def drafter_mismatches(
                     f"rank {rank} {name}: shape {tuple(got.shape)}, "
                     f"want {tuple(want.shape)}"
                 )
-            elif (error := (got - want).abs().max().item()) > tolerance:
+            elif not (error := (got - want).abs().max().item()) <= tolerance:
                 problems.append(f"rank {rank} {name}: max error {error:.3g}")
     return problems
 

@@ -59,7 +59,7 @@ def mismatches(results: list[StageResult], expected: StageResult, tp: int) -> li
                     f"rank {rank} {name}: shape {tuple(got.shape)}, "
                     f"want {tuple(want.shape)}"
                 )
-            elif (error := (got - want).abs().max().item()) > TOLERANCE:
+            elif not (error := (got - want).abs().max().item()) <= TOLERANCE:  # NaN too
                 problems.append(f"rank {rank} {name}: max error {error:.3g}")
     return problems
 

@@ -62,7 +62,14 @@ def test_planted_mutants_are_killed_or_survive_and_the_tree_is_restored(tmp_path
     by_kind = {(r["file"], r["kind"]): r for r in recs}
     assert by_kind[("vllm/probe.py:5", "+/-")]["status"] == "killed"
     assert "test_rows" in by_kind[("vllm/probe.py:5", "+/-")]["killed_by"]
-    assert by_kind[("vllm/probe.py:9", "and/or")]["status"] == "survived"
+    assert by_kind[("vllm/probe.py:5", "+/-")]["selected"] == ["tests/test_probe.py"]
+    # No test calls unused(): a survivor decided without running a test.
+    unused = by_kind[("vllm/probe.py:9", "and/or")]
+    assert (unused["status"], unused["selected"], unused["seconds"]) == (
+        "survived",
+        [],
+        0.0,
+    )
     assert (target / "vllm" / "probe.py").read_text() == MODULE
     # Resumable: a second run decides nothing again.
     assert mutate.main(argv) == 0

@@ -34,6 +34,8 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+from eval.mutate_calls import recording
+
 # What a fork server imports once, so forked ranks start with the model
 # stack loaded: the test bed's step (vLLM's model, distributed and runner
 # modules) and what every rank runs at start-up.
@@ -165,7 +167,7 @@ def _rank_main(
                 tensor_parallel_size=tp, pipeline_parallel_size=pp
             )
         )
-        with set_current_vllm_config(config):
+        with set_current_vllm_config(config), recording(None):
             init_distributed_environment(
                 world_size=tp * pp,
                 rank=rank,
@@ -179,9 +181,11 @@ def _rank_main(
         results.put((rank, "error", traceback.format_exc()))
         return
     while (task := tasks.get()) is not None:
-        func, args = task
+        func, args, test = task
         try:
-            results.put((rank, "ok", func(*args)))
+            with recording(test):  # for make mutate's test selection
+                value = func(*args)
+            results.put((rank, "ok", value))
         except BaseException:
             results.put((rank, "error", traceback.format_exc()))
 
@@ -252,8 +256,9 @@ class RankPool:
         """Run ``func(*args)`` in every rank; return the results by rank."""
         if not self._procs:
             self.start()
+        test = os.environ.get("PYTEST_CURRENT_TEST")
         for task_queue in self._tasks:
-            task_queue.put((func, args))
+            task_queue.put((func, args, test))
         return self._collect(f"{func.__name__}{args!r}", timeout, expect="ok")
 
     def _collect(self, what: str, timeout: float, expect: str) -> list[Any]:
