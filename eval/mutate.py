@@ -51,6 +51,7 @@ import hashlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -58,6 +59,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from apply import STATE_DIR
 from eval.mutate_calls import EVERY_TEST
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
@@ -422,6 +424,72 @@ def run_tests(python: str, root: Path, tests: list[str], timeout: float) -> tupl
     return "killed", failed.group(1) if failed else f"exit {proc.returncode}", elapsed
 
 
+def decided(db_path: Path) -> dict[str, dict]:
+    """The results file's mutants by id; a later line for a mutant wins."""
+    lines = db_path.read_text().splitlines() if db_path.exists() else []
+    return {rec["id"]: rec for rec in map(json.loads, lines)}
+
+
+def worker_tree(target: Path, dest: Path, expected: dict[str, str]) -> Path:
+    """A copy of ``target``'s vLLM for one ``--jobs`` worker to mutate: real
+    directories, real copies of the files the series installs (mutants are
+    written into them), and links for every other file and each
+    ``__pycache__``, so its imports cost what the target's do and the
+    target itself is never written."""
+    shutil.rmtree(dest, ignore_errors=True)
+    tops = ["vllm", STATE_DIR, *(p.name for p in target.glob("vllm-*.dist-info"))]
+    for top in tops:
+        for directory, subdirs, files in os.walk(target / top):
+            here = Path(directory)
+            out = dest / here.relative_to(target)
+            out.mkdir(parents=True, exist_ok=True)
+            if "__pycache__" in subdirs:
+                subdirs.remove("__pycache__")
+                (out / "__pycache__").symlink_to(here / "__pycache__")
+            for name in files:
+                if str((here / name).relative_to(target)) in expected:
+                    shutil.copy2(here / name, out / name)
+                else:
+                    (out / name).symlink_to(here / name)
+    return dest
+
+
+def run_jobs(args: argparse.Namespace, expected: dict[str, str], state: Path) -> int:
+    """``--jobs N``: N workers, each deciding every N-th undecided mutant in
+    its own :func:`worker_tree` (first on ``PYTHONPATH``, so the tests and
+    their ranks import it), appending to the one results file."""
+    shared = ["--patch-set", str(args.patch_set), "--results", str(args.results)]
+    shared += ["--timeout", str(args.timeout), "--tests", *args.tests]
+    shared += ["--files", *args.files] if args.files else []
+    shared += ["--all-tests"] if args.all_tests else []
+    shared += ["--limit", str(args.limit)] if args.limit is not None else []
+    workers = []
+    for i in range(args.jobs):
+        home = state / f"worker-{i}"
+        site = worker_tree(args.target, home / "site", expected)
+        if (state / "calls.json").exists():
+            shutil.copy2(state / "calls.json", home / "calls.json")
+        path = (str(site), str(PROJECT_DIR), os.environ.get("PYTHONPATH"))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+        own = ["--target", str(site), "--state", str(home)]
+        own += ["--shard", f"{i}/{args.jobs}"]
+        cmd = [sys.executable, "-m", "eval.mutate", *shared, *own]
+        workers.append(subprocess.Popen(cmd, cwd=PROJECT_DIR, env=env))
+    try:
+        codes = [w.wait() for w in workers]
+    except KeyboardInterrupt:
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        for w in workers:
+            w.wait()
+        print("mutate: interrupted; the workers' trees are throwaway", file=sys.stderr)
+        return 130
+    if any(codes):
+        print(f"mutate: workers exited {codes}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--patch-set", type=Path, default=PROJECT_DIR)
@@ -436,6 +504,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="run every runtime test for every mutant (no selection)",
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="decide mutants in N processes, each in its own copy of the tree",
+    )
+    p.add_argument("--state", type=Path, help=argparse.SUPPRESS)  # a worker's
+    p.add_argument("--shard", help=argparse.SUPPRESS)  # I/N: a worker's share
     args = p.parse_args(argv)
     root = args.patch_set.resolve()
     if args.target is None:
@@ -446,7 +522,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         args.target = Path(json.loads(status.stdout)["target"])
     expected = read_manifest(root / "patches" / "patched.sha256")
-    installed = Installed(args.target, root / "build" / "mutate", expected)
+    state = args.state or root / "build" / "mutate"
+    installed = Installed(args.target, state, expected)
     installed.recover()
     for rel, digest in expected.items():
         path = args.target / rel
@@ -454,11 +531,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.exit(f"mutate: {rel} is not as the series installs it: make apply")
     args.results.mkdir(parents=True, exist_ok=True)
     db_path = args.results / "mutants.jsonl"
-    done: dict[str, dict] = {}
-    if db_path.exists():
-        for line in db_path.read_text().splitlines():
-            rec = json.loads(line)
-            done[rec["id"]] = rec
+    done = decided(db_path)
     tdig = tests_digest(root, args.tests)
     todo, all_ids = [], []
     trees: dict[str, ast.AST] = {}
@@ -481,13 +554,24 @@ def main(argv: list[str] | None = None) -> int:
         calls = calls_map(
             sys.executable, root, args.target, args.tests, expected, installed.state
         )
+    if args.jobs > 1 and todo:
+        code = run_jobs(args, expected, installed.state)
+        done = decided(db_path)
+        write_summary(
+            args.results, [done[i] for i in all_ids if i in done], len(all_ids)
+        )
+        return code
+    label = ""
+    if args.shard:
+        index, count = (int(n) for n in args.shard.split("/"))
+        todo, label = todo[index::count], f"[worker {index}] "
 
     def stop(signum, frame):
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
     start = time.monotonic()
-    print(f"mutate: {len(all_ids)} mutants, {len(todo)} to decide")
+    print(f"{label}mutate: {len(all_ids)} mutants, {len(todo)} to decide")
     try:
         for k, (mid, m) in enumerate(todo, 1):
             killers = [
@@ -534,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps(rec) + "\n")
             left = (time.monotonic() - start) / k * (len(todo) - k)
             print(
-                f"[{k}/{len(todo)}] {rec['file']} {m.kind}: {status}"
+                f"{label}[{k}/{len(todo)}] {rec['file']} {m.kind}: {status}"
                 f"{' by ' + by if by else ''}"
                 f" ({secs:.0f} s; ~{left / 60:.0f} min left)",
                 flush=True,
@@ -543,7 +627,10 @@ def main(argv: list[str] | None = None) -> int:
         installed.restore()
         print("mutate: interrupted; the installed tree is restored", file=sys.stderr)
         return 130
-    write_summary(args.results, [done[i] for i in all_ids if i in done], len(all_ids))
+    if not args.shard:  # the parent of --jobs workers writes it
+        write_summary(
+            args.results, [done[i] for i in all_ids if i in done], len(all_ids)
+        )
     return 0
 
 

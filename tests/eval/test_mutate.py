@@ -87,3 +87,34 @@ def test_a_mutant_left_by_a_killed_run_is_restored_at_start(tmp_path):
         target, root / "build" / "mutate", {"vllm/probe.py": digest}
     ).recover()
     assert (target / "vllm" / "probe.py").read_text() == MODULE
+
+
+def test_jobs_decide_as_one_process_does_in_copies_of_the_tree(tmp_path, monkeypatch):
+    """``--jobs 2``: each worker mutates its own copy (first on PYTHONPATH,
+    where the test imports ``vllm.probe`` from); the results equal one
+    process's and the target itself is never written."""
+    root, target = _tree(tmp_path)
+    (target / "vllm" / "__init__.py").write_text("")
+    (target / "vllm" / "other.py").write_text("OTHER = 1\n")
+    (root / "tests" / "test_probe.py").write_text(
+        "import vllm.probe\n\n\n"
+        "def test_rows():\n    assert vllm.probe.rows(5, 2) == 3\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(target))
+    before = (target / "vllm" / "probe.py").stat().st_mtime_ns
+    statuses = {}
+    for jobs in (1, 2):
+        results = tmp_path / f"results-{jobs}"
+        argv = ["--patch-set", str(root), "--target", str(target), "--tests", "tests"]
+        argv += ["--results", str(results), "--jobs", str(jobs), "--all-tests"]
+        if jobs == 2:
+            before = (target / "vllm" / "probe.py").stat().st_mtime_ns
+        assert mutate.main(argv) == 0
+        lines = (results / "mutants.jsonl").read_text().splitlines()
+        statuses[jobs] = {r["id"]: r["status"] for r in map(json.loads, lines)}
+    assert statuses[2] == statuses[1]
+    assert "killed" in statuses[1].values() and "survived" in statuses[1].values()
+    assert (target / "vllm" / "probe.py").stat().st_mtime_ns == before
+    worker = root / "build" / "mutate" / "worker-1" / "site" / "vllm"
+    assert not (worker / "probe.py").is_symlink()  # mutated there, a copy
+    assert (worker / "other.py").is_symlink()
