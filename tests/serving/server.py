@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -95,8 +96,9 @@ class Server:
             "--no-async-scheduling",
             "--dtype",
             "float32",
+            # GSM8K's 5-shot prompts are about 1,000 characters, one token each.
             "--max-model-len",
-            "512",
+            "2048",
             "--max-num-seqs",
             "8",
             "--kv-cache-memory-bytes",
@@ -148,19 +150,45 @@ class Server:
                 os.killpg(self.process.pid, 9)
                 self.process.wait()
 
-    def complete(self, prompt: str, max_tokens: int) -> str:
+    def post(self, endpoint: str, **fields) -> dict:
         body = json.dumps(
             {
                 "model": "tiny-k3",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
                 "temperature": 0,
                 "ignore_eos": True,
                 "skip_special_tokens": False,
+                **fields,
             }
         ).encode()
         request = urllib.request.Request(
-            self.url + "/v1/completions", body, {"Content-Type": "application/json"}
+            self.url + endpoint, body, {"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return json.load(response)["choices"][0]["text"]
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.load(response)
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(
+                f"{endpoint} answered {error.code}; the server's log says:\n"
+                + "\n".join(self.errors())
+            ) from error
+
+    def errors(self, limit: int = 12) -> list[str]:
+        """The log's last error lines: what failed in a worker or the engine."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        found = [line for line in lines if "rror" in line or "what():" in line]
+        return [line[:400] for line in found[-limit:]]
+
+    def complete(self, prompt: str, max_tokens: int) -> str:
+        """Greedy text through ``/v1/completions``."""
+        answer = self.post("/v1/completions", prompt=prompt, max_tokens=max_tokens)
+        return answer["choices"][0]["text"]
+
+    def chat(self, content: str, max_tokens: int) -> str:
+        """Greedy text through ``/v1/chat/completions``: one user message,
+        which the test tokenizer's chat template renders as ``content + "\\n"``."""
+        answer = self.post(
+            "/v1/chat/completions",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+        )
+        return answer["choices"][0]["message"]["content"]
