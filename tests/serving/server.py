@@ -65,6 +65,35 @@ def write_model_dir(path: Path) -> Path:
     return path
 
 
+# What every test server runs with, after ``vllm serve DIR --port PORT``;
+# a layout's options follow and win where they repeat one.
+SERVE_ARGS = [
+    "--served-model-name", "tiny-k3",
+    "--worker-cls", "tests.serving.worker.Worker",
+    "--load-format", "dummy",
+    "--distributed-executor-backend", "mp",
+    "--enforce-eager",
+    "--no-async-scheduling",
+    "--dtype", "float32",
+    # GSM8K's 5-shot prompts are about 1,000 characters, one token each.
+    "--max-model-len", "2048",
+    "--max-num-seqs", "8",
+    "--kv-cache-memory-bytes", str(64 << 20),
+]  # fmt: skip
+
+
+def serve_env() -> dict[str, str]:
+    """The environment of a test server: the CPU platform, this checkout on
+    the path (for ``--worker-cls``), the V1 runner the stand-in replaces."""
+    return dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        VLLM_USE_V2_MODEL_RUNNER="0",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+    )
+
+
 class Server:
     """One ``vllm serve`` process; its log in ``log``."""
 
@@ -84,35 +113,10 @@ class Server:
             str(model_dir),
             "--port",
             str(port),
-            "--served-model-name",
-            "tiny-k3",
-            "--worker-cls",
-            "tests.serving.worker.Worker",
-            "--load-format",
-            "dummy",
-            "--distributed-executor-backend",
-            "mp",
-            "--enforce-eager",
-            "--no-async-scheduling",
-            "--dtype",
-            "float32",
-            # GSM8K's 5-shot prompts are about 1,000 characters, one token each.
-            "--max-model-len",
-            "2048",
-            "--max-num-seqs",
-            "8",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
+            *SERVE_ARGS,
             *args,
         ]
-        environ = dict(
-            os.environ,
-            VLLM_TARGET_DEVICE="cpu",
-            PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            VLLM_USE_V2_MODEL_RUNNER="0",
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
-            **(env or {}),
-        )
+        environ = dict(serve_env(), **(env or {}))
         self.started = time.monotonic()
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(
@@ -125,7 +129,9 @@ class Server:
             )
 
     def wait_ready(self, timeout: float = 420) -> float:
-        while time.monotonic() - self.started < timeout:
+        """Seconds from start to the first healthy answer; the log's tail if
+        the server exits or is not healthy ``timeout`` s after its start."""
+        while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"vllm serve exited {self.process.returncode}:\n"
@@ -135,6 +141,8 @@ class Server:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     return time.monotonic() - self.started
             except OSError:
+                if time.monotonic() - self.started > timeout:
+                    break
                 time.sleep(1)
         self.stop()
         raise TimeoutError(
