@@ -81,7 +81,7 @@ def config_verdict(model_dir: Path, flag: list[str]) -> str:
     except Exception as error:
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         # pydantic ends with a link; its "Value error" line says what is wrong
-        said = [line for line in lines if "rror" in line][-1:] or lines[-1:]
+        said = [line for line in lines if "Value error" in line] or lines[-1:]
         return f"refused: {type(error).__name__}: {said[0][:300] if said else ''}"
     return "accepted"
 
