@@ -9,9 +9,9 @@ command (tiny model, stand-in worker, TP2xPP2 on one host), vLLM's own
 ``vllm serve`` argument parser and ``EngineArgs.create_engine_config`` say
 whether they accept it: what ``vllm serve`` checks before it starts anything.
 ``--serve`` then starts one real ``vllm serve`` per arm with every flag the
-configuration accepted, and the arm's environment, and drops a flag that a
-failure names until the server answers a completion, or stops where the
-failure names none. The node-level flags (sizes, node rank, addresses, host,
+configuration accepted, and the arm's environment, and drops the variable or
+flag a failure names until the server answers a completion, or stops where
+the failure names none. The node-level flags (sizes, node rank, addresses, host,
 port) are replaced by one host's: listed, not tried.
 """
 
@@ -39,6 +39,8 @@ NODE_FLAGS = {
     "--port": "a free port here",
 }
 HERE = ["-tp", "2", "-pp", "2"]
+# How vLLM's messages name what some variables select.
+SAID_FOR = {"VLLM_USE_V2_MODEL_RUNNER": "Model Runner V2"}
 
 
 def arm_command(arm: str) -> serve.ServeCommand:
@@ -102,10 +104,9 @@ def named(flag: list[str], lines: list[str]) -> bool:
 
 def serve_arm(model_dir: Path, arm: str, accepted: list[list[str]], logs: Path):
     """Start the arm as far as the CPU platform goes; print what it refused."""
-    command = arm_command(arm)
-    env = dict(command.env)
+    env = dict(arm_command(arm).env)
     kept = list(accepted)
-    for attempt in range(1, len(kept) + 2):
+    for attempt in range(1, len(kept) + len(env) + 2):
         args = [*HERE, *(word for flag in kept for word in flag)]
         log = logs / f"{arm}-{attempt}.log"
         server = Server(model_dir, free_port(), args, env, log)
@@ -113,16 +114,24 @@ def serve_arm(model_dir: Path, arm: str, accepted: list[list[str]], logs: Path):
             startup = server.wait_ready(timeout=420)
             text = server.complete("abc", 4)
             print(f"{arm}: served in {startup:.0f} s with {len(kept)} of the arm's "
-                  f"flags and its environment; 'abc' -> {text!r}")  # fmt: skip
+                  f"flags and {sorted(env)}; 'abc' -> {text!r}")  # fmt: skip
             return
         except (RuntimeError, TimeoutError):
             errors = server.errors()
         finally:
             server.stop()
-        culprits = [flag for flag in kept if named(flag, errors)]
         print(f"{arm}: start {attempt} failed ({server.log}):")
         for line in errors[-4:]:
             print(f"    {line}")
+        variables = [
+            name
+            for name in env
+            if any(name in line or SAID_FOR.get(name, name) in line for line in errors)
+        ]
+        if variables:
+            print(f"{arm}: refused at start-up: {variables[0]}={env.pop(variables[0])}")
+            continue
+        culprits = [flag for flag in kept if named(flag, errors)]
         if not culprits:
             print(f"{arm}: the failure names none of the remaining flags; stopped")
             return
