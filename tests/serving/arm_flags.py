@@ -104,23 +104,27 @@ def named(flag: list[str], lines: list[str]) -> bool:
 
 def serve_arm(model_dir: Path, arm: str, accepted: list[list[str]], logs: Path):
     """Start the arm as far as the CPU platform goes; print what it refused."""
+    # The servers log at vLLM's default level whatever this script's is.
     env = dict(arm_command(arm).env)
+    logging = {"VLLM_LOGGING_LEVEL": "INFO"}
     kept = list(accepted)
     for attempt in range(1, len(kept) + len(env) + 2):
         args = [*HERE, *(word for flag in kept for word in flag)]
         log = logs / f"{arm}-{attempt}.log"
-        server = Server(model_dir, free_port(), args, env, log)
+        server = Server(model_dir, free_port(), args, env | logging, log)
+        step = "start"
         try:
             startup = server.wait_ready(timeout=420)
+            step = "completion"
             text = server.complete("abc", 4)
             print(f"{arm}: served in {startup:.0f} s with {len(kept)} of the arm's "
                   f"flags and {sorted(env)}; 'abc' -> {text!r}")  # fmt: skip
             return
-        except (RuntimeError, TimeoutError):
-            errors = server.errors()
+        except (RuntimeError, TimeoutError) as error:
+            errors = server.errors() or str(error).splitlines()[:2]
         finally:
             server.stop()
-        print(f"{arm}: start {attempt} failed ({server.log}):")
+        print(f"{arm}: attempt {attempt}, the {step} failed ({server.log}):")
         for line in errors[-4:]:
             print(f"    {line}")
         variables = [

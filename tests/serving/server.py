@@ -117,6 +117,11 @@ class Server:
             *args,
         ]
         environ = dict(serve_env(), **(env or {}))
+        # The served name the command gives last: what requests must name.
+        words = self.command
+        self.model = [
+            words[i + 1] for i, w in enumerate(words) if w == "--served-model-name"
+        ][-1]
         self.started = time.monotonic()
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(
@@ -161,7 +166,7 @@ class Server:
     def post(self, endpoint: str, **fields) -> dict:
         body = json.dumps(
             {
-                "model": "tiny-k3",
+                "model": self.model,
                 "temperature": 0,
                 "ignore_eos": True,
                 "skip_special_tokens": False,
