@@ -155,8 +155,10 @@ test: setup
 	$(APPLY) apply
 	$(call pytest_in_own_tmpdir,--ignore=$(SERVING_TESTS) $(PYTEST_ARGS))
 
-# Real `vllm serve` servers on CPU ranks (three layouts and a refused start):
-# minutes on 2 cores, so apart from `make test`; .ci/run runs both.
+# Real `vllm serve` servers on CPU ranks (three layouts, both frontends,
+# parity, make evaluate against two of them, a refused start): 10 to 15
+# minutes on 2 cores (docs/testing.md), so apart from `make test`; .ci/run
+# runs both.
 SERVING_TESTS := tests/serving
 test-serving: setup
 	$(APPLY) apply

@@ -1,13 +1,58 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Servers shared by the tests of a module: start-ups are the time cost."""
+"""Servers shared by every serving test of a session: start-ups are the time
+cost, so each layout starts once, all that the selected tests name at once,
+and serves parity, chat, GSM8K and the bench sweeps."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import pytest
 
-from tests.serving.server import write_model_dir
+from tests.serving.server import Server, write_model_dir
+
+TP2PP2 = ["-tp", "2", "-pp", "2", "--enable-expert-parallel"]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One server: its parallel layout, the frontend that serves it and the
+    arm of eval/arms.toml whose layout it stands for in the evaluation tools."""
+
+    args: list[str]
+    frontend: str  # "python" or "rust"
+    arm: str | None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+# The sequence-parallel layout is served by the Rust frontend (as every arm
+# of the seed is), the other two by the Python one: both frontends are
+# covered by the same three start-ups. The replicated layout serves without
+# prefix caching, as the arms do; the others keep vLLM's default (on).
+LAYOUTS = {
+    "TP1xPP1": Layout([], "python", None),
+    "TP2xPP2 SP (MegaMoE, EP)": Layout(
+        [*TP2PP2, "--moe-backend", "deep_gemm_mega_moe"], "rust", "mega-sp"
+    ),
+    "TP2xPP2 replicated (triton, EP)": Layout(
+        [*TP2PP2, "--moe-backend", "triton", "--no-enable-prefix-caching"],
+        "python",
+        "fi-ep",
+    ),
+}
+REFERENCE = "TP1xPP1"
+SP = "TP2xPP2 SP (MegaMoE, EP)"
+REPLICATED = "TP2xPP2 replicated (triton, EP)"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "layouts(*names): the LAYOUTS the test asks `servers` for"
+    )
 
 
 def free_port() -> int:
@@ -19,3 +64,69 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory: pytest.TempPathFactory):
     return write_model_dir(tmp_path_factory.mktemp("tiny-k3"))
+
+
+class Servers:
+    """The session's servers by layout name, started on first use."""
+
+    def __init__(self, model_dir, logs, wanted: list[str]) -> None:
+        self.model_dir, self.logs, self.wanted = model_dir, logs, wanted
+        self.started: dict[str, Server] = {}
+        self.startup: dict[str, float] = {}
+
+    def __getitem__(self, name: str) -> Server:
+        if name not in self.started:
+            # Start every layout the selected tests name at once: the
+            # start-ups overlap where they wait (imports, the engine's
+            # hand-shakes, the ranks' rendezvous).
+            for other in dict.fromkeys([name, *self.wanted]):
+                if other not in self.started:
+                    layout = LAYOUTS[other]
+                    env = dict(layout.env)
+                    if layout.frontend == "rust":
+                        env["VLLM_USE_RUST_FRONTEND"] = "1"
+                    log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
+                    self.started[other] = Server(
+                        self.model_dir,
+                        free_port(),
+                        layout.args,
+                        env=env,
+                        log=self.logs / log,
+                    )
+            # Each start-up timed from its own start, all of them now; one
+            # that fails is reported to the tests that ask for it.
+            for other, server in self.started.items():
+                if other not in self.startup and other != name:
+                    with contextlib.suppress(RuntimeError, TimeoutError):
+                        self.startup[other] = server.wait_ready()
+        if name not in self.startup:
+            self.startup[name] = self.started[name].wait_ready()
+        return self.started[name]
+
+    def stop(self) -> None:
+        for server in self.started.values():
+            server.stop()
+
+
+def wanted_layouts(items: list[pytest.Item]) -> list[str]:
+    names = {n for item in items for m in item.iter_markers("layouts") for n in m.args}
+    return [name for name in LAYOUTS if name in names]
+
+
+@pytest.fixture(scope="session")
+def servers(request, model_dir, tmp_path_factory) -> Iterator[Servers]:
+    pool = Servers(
+        model_dir,
+        tmp_path_factory.mktemp("serve-logs"),
+        wanted_layouts(request.session.items),
+    )
+    started = time.monotonic()
+    try:
+        yield pool
+    finally:
+        pool.stop()
+        print(
+            "\nserving start-ups (s): "
+            + ", ".join(f"{n} {t:.0f}" for n, t in pool.startup.items())
+            + f"; servers up for {time.monotonic() - started:.0f} s"
+        )

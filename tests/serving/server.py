@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -64,6 +65,35 @@ def write_model_dir(path: Path) -> Path:
     return path
 
 
+# What every test server runs with, after ``vllm serve DIR --port PORT``;
+# a layout's options follow and win where they repeat one.
+SERVE_ARGS = [
+    "--served-model-name", "tiny-k3",
+    "--worker-cls", "tests.serving.worker.Worker",
+    "--load-format", "dummy",
+    "--distributed-executor-backend", "mp",
+    "--enforce-eager",
+    "--no-async-scheduling",
+    "--dtype", "float32",
+    # GSM8K's 5-shot prompts are about 1,000 characters, one token each.
+    "--max-model-len", "2048",
+    "--max-num-seqs", "8",
+    "--kv-cache-memory-bytes", str(64 << 20),
+]  # fmt: skip
+
+
+def serve_env() -> dict[str, str]:
+    """The environment of a test server: the CPU platform, this checkout on
+    the path (for ``--worker-cls``), the V1 runner the stand-in replaces."""
+    return dict(
+        os.environ,
+        VLLM_TARGET_DEVICE="cpu",
+        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        VLLM_USE_V2_MODEL_RUNNER="0",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+    )
+
+
 class Server:
     """One ``vllm serve`` process; its log in ``log``."""
 
@@ -83,34 +113,15 @@ class Server:
             str(model_dir),
             "--port",
             str(port),
-            "--served-model-name",
-            "tiny-k3",
-            "--worker-cls",
-            "tests.serving.worker.Worker",
-            "--load-format",
-            "dummy",
-            "--distributed-executor-backend",
-            "mp",
-            "--enforce-eager",
-            "--no-async-scheduling",
-            "--dtype",
-            "float32",
-            "--max-model-len",
-            "512",
-            "--max-num-seqs",
-            "8",
-            "--kv-cache-memory-bytes",
-            str(64 << 20),
+            *SERVE_ARGS,
             *args,
         ]
-        environ = dict(
-            os.environ,
-            VLLM_TARGET_DEVICE="cpu",
-            PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-            VLLM_USE_V2_MODEL_RUNNER="0",
-            VLLM_CPU_OMP_THREADS_BIND="nobind",
-            **(env or {}),
-        )
+        environ = dict(serve_env(), **(env or {}))
+        # The served name the command gives last: what requests must name.
+        words = self.command
+        self.model = [
+            words[i + 1] for i, w in enumerate(words) if w == "--served-model-name"
+        ][-1]
         self.started = time.monotonic()
         with open(self.log, "wb") as out:
             self.process = subprocess.Popen(
@@ -123,7 +134,9 @@ class Server:
             )
 
     def wait_ready(self, timeout: float = 420) -> float:
-        while time.monotonic() - self.started < timeout:
+        """Seconds from start to the first healthy answer; the log's tail if
+        the server exits or is not healthy ``timeout`` s after its start."""
+        while True:
             if self.process.poll() is not None:
                 raise RuntimeError(
                     f"vllm serve exited {self.process.returncode}:\n"
@@ -133,6 +146,8 @@ class Server:
                 with urllib.request.urlopen(self.url + "/health", timeout=2):
                     return time.monotonic() - self.started
             except OSError:
+                if time.monotonic() - self.started > timeout:
+                    break
                 time.sleep(1)
         self.stop()
         raise TimeoutError(
@@ -148,19 +163,45 @@ class Server:
                 os.killpg(self.process.pid, 9)
                 self.process.wait()
 
-    def complete(self, prompt: str, max_tokens: int) -> str:
+    def post(self, endpoint: str, **fields) -> dict:
         body = json.dumps(
             {
-                "model": "tiny-k3",
-                "prompt": prompt,
-                "max_tokens": max_tokens,
+                "model": self.model,
                 "temperature": 0,
                 "ignore_eos": True,
                 "skip_special_tokens": False,
+                **fields,
             }
         ).encode()
         request = urllib.request.Request(
-            self.url + "/v1/completions", body, {"Content-Type": "application/json"}
+            self.url + endpoint, body, {"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return json.load(response)["choices"][0]["text"]
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.load(response)
+        except urllib.error.HTTPError as error:
+            raise RuntimeError(
+                f"{endpoint} answered {error.code}; the server's log says:\n"
+                + "\n".join(self.errors())
+            ) from error
+
+    def errors(self, limit: int = 12) -> list[str]:
+        """The log's last error lines: what failed in a worker or the engine."""
+        lines = self.log.read_text(errors="replace").splitlines()
+        found = [line for line in lines if "rror" in line or "what():" in line]
+        return [line[:400] for line in found[-limit:]]
+
+    def complete(self, prompt: str, max_tokens: int) -> str:
+        """Greedy text through ``/v1/completions``."""
+        answer = self.post("/v1/completions", prompt=prompt, max_tokens=max_tokens)
+        return answer["choices"][0]["text"]
+
+    def chat(self, content: str, max_tokens: int) -> str:
+        """Greedy text through ``/v1/chat/completions``: one user message,
+        which the test tokenizer's chat template renders as ``content + "\\n"``."""
+        answer = self.post(
+            "/v1/chat/completions",
+            messages=[{"role": "user", "content": content}],
+            max_tokens=max_tokens,
+        )
+        return answer["choices"][0]["message"]["content"]

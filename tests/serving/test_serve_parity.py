@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Greedy completions through ``vllm serve``: the sequence-parallel layout at
-TP2xPP2 (MegaMoE, EP) against TP1xPP1 and the replicated layout (another MoE
-backend at TP2xPP2), token for token, as vLLM's
-tests/distributed/test_pipeline_parallel.py compares parallel settings."""
+TP2xPP2 (MegaMoE, EP; Rust frontend) against TP1xPP1 and the replicated
+layout (another MoE backend at TP2xPP2; Python frontend), token for token,
+as vLLM's tests/distributed/test_pipeline_parallel.py compares parallel
+settings; and a start-up the stages' agreement refuses."""
 
 from __future__ import annotations
 
@@ -11,74 +12,87 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serving.conftest import free_port
+from tests.serving.conftest import LAYOUTS, REFERENCE, SP, free_port
 from tests.serving.server import Server
 from tests.serving.worker import STAGE1_MOE_BACKEND
 
-TP2PP2 = ["-tp", "2", "-pp", "2", "--enable-expert-parallel"]
-LAYOUTS = {
-    "TP1xPP1": [],
-    "TP2xPP2 SP (MegaMoE, EP)": [*TP2PP2, "--moe-backend", "deep_gemm_mega_moe"],
-    "TP2xPP2 replicated (triton, EP)": [*TP2PP2, "--moe-backend", "triton"],
-}
 # Prompt lengths 1 (< TP), 3 and 11 (not divisible by TP), 44; every decode
 # step of a lone request dispatches a single token.
 ALONE = ["a", "abc", "Hello world", "The quick brown fox jumps over the lazy dog."]
 # Sent at once: the scheduler mixes prefills with decodes of the others.
 TOGETHER = ["x" * 5, "Question: 2 + 3 = ?", "q", "0123456789" * 3, "Mixed batch."]
 MAX_TOKENS = 8
+COMPARED = [name for name in LAYOUTS if name != REFERENCE]
 
 
-@pytest.fixture(scope="module")
-def completions(model_dir, tmp_path_factory):
-    """Every layout's completions; the servers start at once and stop after."""
-    logs = tmp_path_factory.mktemp("serve-logs")
-    servers = {
-        name: Server(model_dir, free_port(), args, log=logs / f"{i}.log")
-        for i, (name, args) in enumerate(LAYOUTS.items())
-    }
-    results, startup = {}, {}
-    try:
-        for name, server in servers.items():
-            startup[name] = server.wait_ready()
-        for name, server in servers.items():
+def each(layouts: list[str]) -> list:
+    """``layouts`` as parameters, each marked with what it asks ``servers``."""
+    return [
+        pytest.param(name, marks=pytest.mark.layouts(REFERENCE, name), id=name)
+        for name in layouts
+    ]
+
+
+@pytest.fixture(scope="session")
+def completions(servers):
+    """Each layout's completions and chat answers, asked once per session."""
+    found: dict[str, dict[str, dict[str, str]]] = {}
+
+    def of(name: str) -> dict[str, dict[str, str]]:
+        if name not in found:
+            server = servers[name]
             alone = [server.complete(p, MAX_TOKENS) for p in ALONE]
             with ThreadPoolExecutor(len(TOGETHER)) as pool:
-                futures = [
-                    pool.submit(server.complete, p, MAX_TOKENS) for p in TOGETHER
-                ]
-                together = [future.result() for future in futures]
-            results[name] = dict(zip(ALONE + TOGETHER, alone + together, strict=False))
-    finally:
-        for server in servers.values():
-            server.stop()
-    print("\nstart-up (s): " + ", ".join(f"{n} {t:.0f}" for n, t in startup.items()))
-    return results
+                together = list(
+                    pool.map(lambda p: server.complete(p, MAX_TOKENS), TOGETHER)
+                )
+                chat = list(pool.map(lambda p: server.chat(p, MAX_TOKENS), ALONE))
+            prompts = ALONE + TOGETHER
+            found[name] = {
+                "completions": dict(zip(prompts, alone + together, strict=True)),
+                "chat": dict(zip(ALONE, chat, strict=True)),
+            }
+        return found[name]
+
+    return of
 
 
-def parity_table(results: dict[str, dict[str, str]]) -> str:
-    reference = results["TP1xPP1"]
-    names = list(results)
-    lines = [
-        "| prompt | " + " | ".join(names) + " |",
-        "| --- |" + " --- |" * len(names),
-    ]
+def parity_table(reference: dict[str, str], results: dict[str, str]) -> str:
+    lines = ["| prompt | TP1xPP1 | layout |", "| --- | --- | --- |"]
     for prompt, expected in reference.items():
-        cells = [repr(expected)] + [
-            "equal"
-            if results[n][prompt] == expected
-            else f"DIFFERS {results[n][prompt]!r}"
-            for n in names[1:]
-        ]
-        lines.append(f"| {prompt[:24]!r} | " + " | ".join(cells) + " |")
+        got = results[prompt]
+        cell = "equal" if got == expected else f"DIFFERS {got!r}"
+        lines.append(f"| {prompt[:24]!r} | {expected!r} | {cell} |")
     return "\n".join(lines)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS)[1:])
+@pytest.mark.parametrize("layout", each(COMPARED))
 def test_layout_matches_tp1_pp1_token_for_token(completions, layout):
-    print("\n" + parity_table(completions))
-    assert all(len(text) == MAX_TOKENS for text in completions["TP1xPP1"].values())
-    assert completions[layout] == completions["TP1xPP1"]
+    reference = completions(REFERENCE)["completions"]
+    results = completions(layout)["completions"]
+    print(f"\n{layout} ({LAYOUTS[layout].frontend} frontend), /v1/completions:")
+    print(parity_table(reference, results))
+    assert all(len(text) == MAX_TOKENS for text in reference.values())
+    assert results == reference
+
+
+@pytest.mark.parametrize("layout", each(COMPARED))
+def test_chat_completions_match_tp1_pp1(completions, layout):
+    """``/v1/chat/completions`` renders the chat template, then runs the
+    same engine path: the rendered prompt's completion, on every layout."""
+    reference = completions(REFERENCE)
+    results = completions(layout)["chat"]
+    print(f"\n{layout} ({LAYOUTS[layout].frontend} frontend), /v1/chat/completions:")
+    print(parity_table(reference["chat"], results))
+    assert results == reference["chat"]
+    assert len(set(results.values())) > 1  # not one constant answer
+
+
+@pytest.mark.layouts(REFERENCE)
+def test_chat_answer_is_the_rendered_prompts_completion(servers, completions):
+    server = servers[REFERENCE]
+    chat = completions(REFERENCE)["chat"]
+    assert {p: server.complete(p + "\n", MAX_TOKENS) for p in ALONE} == chat
 
 
 def test_stage_disagreement_fails_vllm_serve_at_start_up(model_dir, tmp_path):
@@ -88,7 +102,7 @@ def test_stage_disagreement_fails_vllm_serve_at_start_up(model_dir, tmp_path):
     server = Server(
         model_dir,
         free_port(),
-        LAYOUTS["TP2xPP2 SP (MegaMoE, EP)"],
+        LAYOUTS[SP].args,
         env={STAGE1_MOE_BACKEND: "triton"},
         log=tmp_path / "refused.log",
     )
