@@ -22,7 +22,7 @@ import _apply  # noqa: E402
 from _apply import *  # noqa: E402, F403 -- the API, declared by __all__
 from _cli import main  # noqa: E402
 
-__all__ = [*_apply.__all__, "main"]
+__all__ = _apply.__all__ + ["main"]  # syntax Python 2.7 parses
 
 if __name__ == "__main__":
     sys.exit(main())
