@@ -228,6 +228,21 @@ def test_without_sp_a_later_stage_that_pads_more_is_refused_naming_the_batch(poo
 
 
 @topologies((2, 2))
+def test_a_later_stage_that_pads_speculative_decodes_more_is_refused(pool):
+    """One draft token on both nodes, eager on the first only: the legacy
+    runner's uniform decodes are of 2 tokens per request, and stage 1 pads
+    3 such requests to 8 tokens. The check must ask the dispatcher for
+    decodes of that length, not of 1 token."""
+    spec = dataclasses.replace(NO_SP, num_speculative_tokens=1)
+    assert_refused_everywhere(
+        run_stages(pool, dataclasses.replace(spec, enforce_eager=True), spec),
+        "batch_padding: a batch of 6 tokens (a uniform decode of 2 per "
+        "request) is dispatched as 6 tokens on stage 0, which sends 6 rows, "
+        "and as 8 on stage 1, which expects at least 8",
+    )
+
+
+@topologies((2, 2))
 def test_without_sp_other_backends_start_and_are_shown_on_every_stage(pool):
     """The MoE backend alone is not part of the hand-off: without SP on any
     stage, each stage's EP group may run its own backend."""

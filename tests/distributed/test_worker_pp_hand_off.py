@@ -1,31 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
 """vLLM's GPU ``Worker`` hands PP tensors off with the model's overrides, on
-real TP×PP ranks: each rank builds the real ``Worker`` (``Worker.__new__``
-plus what ``load_model`` and ``execute_model`` read) around a runner that runs
-the test bed's stage model, and ``Worker.execute_model`` does every receive
-and send. 0.33.0's receiver decides from its own ``all_gather_tensors``
-(``GroupCoordinator._should_use_all_gather``), so a receive or a send left
-without the overrides takes or sends a 1/TP slice of a shard and all-gathers
-other ranks' shards: the last stage's output no longer matches TP1×PP1.
+real TP×PP ranks: each rank runs the real ``Worker.load_model`` and
+``Worker.execute_model`` (the worker built without ``__init__``, which wants
+a device) around a runner whose ``load_model`` and hand-over are the legacy
+runner's own, running the test bed's stage model. 0.33.0's receiver decides
+from its own ``all_gather_tensors`` (``GroupCoordinator._should_use_all_gather``),
+so a receive or a send left without the overrides takes or sends a 1/TP
+slice of a shard and all-gathers other ranks' shards, and a runner that did
+not keep the declaration refuses the shard: the last stage's output no
+longer matches TP1×PP1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import torch
 
 from tests.distributed.conftest import topologies
 from tests.distributed.test_kimi_k3_stages import TOLERANCE
-from tests.sppp_testbed.stages import (
-    Scenario,
-    through_legacy_runner,
-    token_ids,
-)
+from tests.sppp_testbed.stages import RUNNER_CAPACITY as CAPACITY
+from tests.sppp_testbed.stages import Scenario, token_ids
 from tests.sppp_testbed.tiny_k3 import build_model, scenario_config, stand_ins
 from vllm.config import set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.sequence import IntermediateTensors
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
 
 # Not divisible by TP 2: shards of ceil(N / TP) rows, the last one padded.
@@ -34,16 +35,38 @@ SEED = 0
 
 
 class StageRunner:
-    """The model runner's part of a step: the received rows handed over by
-    the legacy runner's own code, the stage's layers run, the output
-    returned to the worker (kept, and ``None`` returned, on the last stage)."""
+    """The legacy model runner's part of a step, around the test bed's stage
+    model: its real ``load_model`` (given the built model, as
+    ``load_model(model=...)`` takes one) keeps the model's declaration, its
+    real ``sync_and_gather_intermediate_tensors`` hands the received rows
+    over into its persistent buffers, then the stage's layers run; the output
+    goes back to the worker (kept, and ``None`` returned, on the last stage).
+    """
+
+    load_model = GPUModelRunner.load_model
+    sync_and_gather_intermediate_tensors = (
+        GPUModelRunner.sync_and_gather_intermediate_tensors
+    )
+    _setup_eagle3_aux_hidden_state_outputs = (
+        GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
+    )
+    _pp_hand_off = GPUModelRunner._pp_hand_off  # the class default
+    lora_config = None
+    use_aux_hidden_state_outputs = False
+    device = torch.device("cpu")
 
     def __init__(self, config) -> None:
-        self.config = config
+        self.vllm_config = config
+        self.model_config = types.SimpleNamespace(
+            model="tiny-k3", multimodal_config=None
+        )
+        self.parallel_config = config.parallel_config
+        self.compilation_config = config.compilation_config
+        self.load_config = config.load_config
+        self.jit_warmup_registry = types.SimpleNamespace(
+            activate=contextlib.nullcontext
+        )
         self.outputs: list[torch.Tensor] = []
-
-    def load_model(self, load_dummy_weights: bool = False) -> None:
-        self.model = build_model(self.config, SEED)
 
     def get_model(self) -> torch.nn.Module:
         return self.model
@@ -51,8 +74,8 @@ class StageRunner:
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         num_tokens = scheduler_output.total_num_scheduled_tokens
         if intermediate_tensors is not None:
-            intermediate_tensors = through_legacy_runner(
-                self.model, intermediate_tensors, num_tokens
+            intermediate_tensors = self.sync_and_gather_intermediate_tensors(
+                num_tokens, intermediate_tensors, True
             )
         output = self.model(
             token_ids(num_tokens, SEED), torch.arange(num_tokens), intermediate_tensors
@@ -63,6 +86,17 @@ class StageRunner:
         return None
 
 
+class StageWorker(Worker):
+    """The real ``Worker.load_model``, handing its runner the built model."""
+
+    def __init__(self, config) -> None:  # Worker.__init__ wants a device
+        self.vllm_config = config
+        self.use_v2_model_runner = False
+        self.profiler = None
+        self._pp_send_work = []
+        self.model_runner = StageRunner(config)
+
+
 def run_worker_steps(steps: tuple[int, ...]) -> tuple[bool, list[torch.Tensor]]:
     """Run in every rank: load the model through ``Worker.load_model``, then
     one ``Worker.execute_model`` per token count."""
@@ -70,13 +104,15 @@ def run_worker_steps(steps: tuple[int, ...]) -> tuple[bool, list[torch.Tensor]]:
     config = scenario_config(tp, pp, sp=True)
     threads = torch.get_num_threads()
     with set_current_vllm_config(config), stand_ins(), torch.no_grad():
-        worker = Worker.__new__(Worker)
-        worker.vllm_config = config
-        worker.use_v2_model_runner = False
-        worker.profiler = None
-        worker._pp_send_work = []
-        worker.model_runner = StageRunner(config)
+        worker = StageWorker(config)
+        model = build_model(config, SEED)
+        runner = worker.model_runner
+        load = runner.load_model
+        runner.load_model = lambda load_dummy_weights: load(model=model)
         worker.load_model()
+        runner.intermediate_tensors = model.make_empty_intermediate_tensors(
+            CAPACITY, torch.get_default_dtype(), runner.device
+        )
         torch.set_num_threads(threads)  # load_model sets serving's count
         for num_tokens in steps:
             step = types.SimpleNamespace(total_num_scheduled_tokens=num_tokens)

@@ -3,6 +3,7 @@
 loaded: a worker assembled without load_model hands off as vLLM 0.33.0 does,
 and a stand-in model that only looks like the protocol declares nothing."""
 
+import contextlib
 import sys
 import types
 from unittest import mock
@@ -139,9 +140,18 @@ class Declares:
     "overrides, rows",
     [(["hidden_states"], None), ({"hidden_states": 0}, None), ({}, 1.0), ({}, True)],
 )
-def test_answers_of_other_types_declare_nothing(overrides, rows):
+def test_answers_of_other_types_declare_nothing_with_a_warning(
+    overrides, rows, monkeypatch
+):
+    warnings = []
+    monkeypatch.setattr(
+        interfaces.logger, "warning_once", lambda *args: warnings.append(args)
+    )
     declared = interfaces.get_pp_hand_off_declaration(Declares(overrides, rows))
     assert declared == interfaces.PPHandOffDeclaration()
+    assert len(warnings) == 1
+    assert "taken as undeclared" in warnings[0][0]
+    assert (repr(overrides), repr(rows)) == warnings[0][2:]
 
 
 def test_a_declaration_of_the_promised_types_is_kept():
@@ -150,3 +160,35 @@ def test_a_declaration_of_the_promised_types_is_kept():
     )
     assert declared.all_gather_tensors == {"hidden_states": False}
     assert declared.expected_rows(17) == 3
+
+
+class ModelLoaded(Exception):
+    """Raised where the V2 runner's load_model goes on to build its model
+    state (attention backends, buffers), which needs a GPU."""
+
+
+def test_the_v2_runner_keeps_the_declaration_its_load_model_takes(monkeypatch):
+    from vllm.config import LoadConfig
+    from vllm.v1.worker.gpu import model_runner as v2
+
+    def stop(*args):
+        raise ModelLoaded
+
+    monkeypatch.setattr(v2, "init_model_state", stop)
+    runner = types.SimpleNamespace(
+        eplb=types.SimpleNamespace(prepare_load=lambda: None),
+        vllm_config=types.SimpleNamespace(load_config=LoadConfig()),
+        jit_warmup_registry=types.SimpleNamespace(activate=contextlib.nullcontext),
+        lora_config=None,
+        use_aux_hidden_state_outputs=False,
+        speculator=None,
+        encoder_cache=None,
+        device=torch.device("cpu"),
+        _pp_hand_off=v2.GPUModelRunner._pp_hand_off,  # the class default
+    )
+    declared = Declares({"hidden_states": False}, 3)
+    with pytest.raises(ModelLoaded):
+        v2.GPUModelRunner.load_model(runner, model=declared)
+    # What execute_model hands over with: the rows of the model's shard.
+    assert runner._pp_hand_off.all_gather_tensors == {"hidden_states": False}
+    assert runner._pp_hand_off.expected_rows(17) == 3

@@ -395,3 +395,44 @@ def test_find_candidate_is_what_dispatch_runs_once_graphs_are_captured(monkeypat
     # Uniform decodes of 2 tokens per request pad to the rounded sizes.
     assert [padded[n // 2, n, 2] for n in (2, 4, 6, 8, 10)] == [2, 4, 8, 8, 10]
     assert padded[3, 5, None] == 5  # FULL_DECODE_ONLY: mixed batches run eager
+
+
+@pytest.mark.parametrize("num_active_loras", [0, 1, 2, 3, 4, 5])
+def test_find_candidate_resolves_lora_counts_as_dispatch_does(
+    num_active_loras, monkeypatch
+):
+    """The start-up check asks find_candidate with a batch's own LoRA count:
+    below, at, between and above the captured cases (2 and 4) it must pad as
+    dispatch does once graphs are captured."""
+    from vllm.config import VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    monkeypatch.setattr(
+        cudagraph_utils,
+        "get_pp_group",
+        lambda: types.SimpleNamespace(is_first_rank=False, is_last_rank=False),
+    )
+    monkeypatch.setattr(current_platform, "get_global_graph_pool", lambda: None)
+    config = VllmConfig()
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
+    config.compilation_config.max_cudagraph_capture_size = 8
+    manager = CudaGraphManager(
+        config,
+        torch.device("cpu"),
+        CUDAGraphMode.FULL_DECODE_ONLY,
+        decode_query_len=2,
+        lora_capture_cases=[0, 2, 4],
+    )
+    manager._graphs_captured = True
+    graphs = 0
+    for num_tokens in range(2, 11, 2):
+        num_reqs = num_tokens // 2
+        desc = manager.dispatch(num_reqs, num_tokens, 2, num_active_loras)
+        found = manager.find_candidate(num_reqs, num_tokens, 2, num_active_loras)
+        if desc.cg_mode == CUDAGraphMode.NONE:
+            assert found is None, num_tokens
+        else:
+            assert found == desc, num_tokens
+            graphs += 1
+    assert graphs  # each count finds a captured graph for some batch
