@@ -47,7 +47,8 @@
 #   make gpu-bundle     build/gpu-bundle/: patched vLLM sources, wheels, test
 #                       bed and GPU checks for the lent GPU (run.py CHECK)
 #   make mutate         mutation testing of the lines the series installs
-#                       (resumable; MUTATE_ARGS="--limit N" or "--files F ..."; hours on 2 cores)
+#                       (resumable; MUTATE_ARGS="--limit N", "--files F ..."
+#                       or "--jobs N" on more cores; hours on 2 cores)
 #   make setup          only the pinned .venv
 #
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
