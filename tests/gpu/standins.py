@@ -66,7 +66,6 @@ STAND_IN_PREFIXES = (
     "nvtx",
     "openai",
     "openai_harmony",
-    "opentelemetry",
     "orjson",
     "outlines_core",
     "prometheus_fastapi_instrumentator",
