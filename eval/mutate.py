@@ -9,7 +9,8 @@ the later patches of the series) is a mutation site in the installed file. One
 mutant at a time is written there (comparison flipped, ``and``/``or`` swapped,
 ``not`` dropped, integer or boolean constant changed, statement dropped,
 keyword argument left out, ``+``/``-`` swapped), the runtime tests that can
-see it run with ``-x`` (those that killed a mutant of the same file first),
+see it run with ``-x`` (first, on its own, the test file that killed most
+mutants of the same file),
 and the original bytes go back and are checked against
 ``patches/patched.sha256``.
 
@@ -424,6 +425,19 @@ def run_tests(python: str, root: Path, tests: list[str], timeout: float) -> tupl
     return "killed", failed.group(1) if failed else f"exit {proc.returncode}", elapsed
 
 
+def decide(python: str, root: Path, batches: list[list[str]], timeout: float) -> tuple:
+    """Run the batches of test files in turn until one kills the mutant: the
+    file that killed most of its neighbours alone first, as collecting every
+    selected file costs more than most killing tests take."""
+    status, by, secs = "survived", None, 0.0
+    for tests in filter(None, batches):
+        status, by, spent = run_tests(python, root, tests, timeout - secs)
+        secs += spent
+        if status == "killed":
+            break
+    return status, by, secs
+
+
 def decided(db_path: Path) -> dict[str, dict]:
     """The results file's mutants by id; a later line for a mutant wins."""
     lines = db_path.read_text().splitlines() if db_path.exists() else []
@@ -585,20 +599,21 @@ def main(argv: list[str] | None = None) -> int:
                 if args.all_tests
                 else select_tests(calls, m, trees[m.rel], args.tests)
             )
-            order = [
+            likely = [
                 t
                 for t in first
                 if (root / t).exists() and (selected is args.tests or t in selected)
-            ] + selected
-            if not order:  # no test calls the function: nothing can kill it
+            ][:1]
+            rest = [t for t in selected if t not in likely]
+            if not (likely or rest):  # no test calls the function: nothing can kill it
                 status, by, secs = "survived", None, 0.0
             else:
                 installed.write(
                     m.rel, apply_mutant((args.target / m.rel).read_bytes(), m)
                 )
                 try:
-                    status, by, secs = run_tests(
-                        sys.executable, root, list(dict.fromkeys(order)), args.timeout
+                    status, by, secs = decide(
+                        sys.executable, root, [likely, rest], args.timeout
                     )
                 finally:
                     installed.restore()
@@ -611,7 +626,7 @@ def main(argv: list[str] | None = None) -> int:
                 "killed_by": by,
                 "seconds": round(secs, 1),
                 "tests": tdig,
-                "selected": "all" if order and selected is args.tests else selected,
+                "selected": "all" if selected is args.tests else selected,
             }
             done[mid] = rec
             with db_path.open("a") as f:
