@@ -48,12 +48,21 @@ class StageFlags:
     enforce_eager: bool = False
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8)
     cudagraph_mode: str = "FULL_DECODE_ONLY"
-    runner: str = "legacy"  # or "v2"
+    # What the runner resolves where its attention backends or a drafter
+    # lower the flags' mode; None: the flags' mode.
+    resolved_mode: str | None = None
+    # "legacy", "v2", or "none": a runner without CUDA graph dispatch.
+    runner: str = "legacy"
+    # The V2 runner's decode graphs take any mix of query lengths.
+    varlen_decode: bool = False
     enable_jit_warmup: bool = False
     num_speculative_tokens: int = 0
     # False: the model captures its taps from what it received and relays
     # none across stages, as Qwen3-MoE and most EAGLE-3 targets in 0.33.0.
     relays_aux: bool = True
+    # A model that declares no hand-off and has no EAGLE taps, as most
+    # models of 0.33.0.
+    plain_model: bool = False
     # The stage cannot compute its settings (a planted error).
     broken: bool = False
     # The stage's runner dispatches with a signature of its own (an
@@ -88,8 +97,14 @@ def relays_aux(model: torch.nn.Module, relays: bool) -> None:
 def stage_runner(config, flags: StageFlags) -> types.SimpleNamespace:
     """The runner's CUDA graph dispatch, as each runner builds it once its
     attention backends resolved the mode (eager resolves to NONE)."""
+    if flags.runner == "none":
+        return types.SimpleNamespace()
     compilation = config.compilation_config
-    mode = CUDAGraphMode.NONE if flags.enforce_eager else compilation.cudagraph_mode
+    mode = compilation.cudagraph_mode
+    if flags.resolved_mode is not None:
+        mode = CUDAGraphMode[flags.resolved_mode]
+    if flags.enforce_eager:
+        mode = CUDAGraphMode.NONE
     if mode.has_piecewise_cudagraphs():
         # What piecewise graphs need, set after the model is built: nothing
         # here is compiled.
@@ -105,6 +120,7 @@ def stage_runner(config, flags: StageFlags) -> types.SimpleNamespace:
                 torch.device("cpu"),
                 mode,
                 decode_query_len=1 + flags.num_speculative_tokens,
+                varlen_decode=flags.varlen_decode,
             )
         finally:
             current_platform.get_global_graph_pool = saved
@@ -139,9 +155,12 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
             torch.no_grad(),
             runner_kind(flags),
         ):
-            model = build_model(config)
-            model._set_aux_hidden_state_layers(flags.aux_layers)
-            relays_aux(model, flags.relays_aux)
+            if flags.plain_model:
+                model = torch.nn.Linear(1, 1)
+            else:
+                model = build_model(config)
+                model._set_aux_hidden_state_layers(flags.aux_layers)
+                relays_aux(model, flags.relays_aux)
             if flags.broken:
 
                 def broken() -> dict[str, bool]:
@@ -243,6 +262,74 @@ def test_a_later_stage_that_pads_speculative_decodes_more_is_refused(pool):
 
 
 @topologies((2, 2))
+def test_a_later_stage_that_pads_only_a_single_token_is_refused(pool):
+    """Capture sizes [1, 2, 4, 8] on node 1 and [2, 4, 8] on node 2 differ in
+    one batch only, the smallest: stage 1 pads a one-token decode to 2."""
+    last = dataclasses.replace(NO_SP, capture_sizes=(2, 4, 8))
+    assert_refused_everywhere(
+        run_stages(pool, NO_SP, last),
+        "batch_padding: a batch of 1 tokens (a uniform decode of 1 per "
+        "request) is dispatched as 1 tokens on stage 0, which sends 1 rows, "
+        "and as 2 on stage 1, which expects at least 2",
+        "cudagraph_capture_sizes: stage 0=[1, 2, 4, 8], stage 1=[2, 4, 8]",
+    )
+
+
+@topologies((2, 2))
+def test_refusals_name_the_kind_of_batch_that_pads_differently(pool):
+    """Piecewise graphs pad batches with a prefill; the V2 runner's varlen
+    decode graphs pad decodes of mixed lengths, a batch that neither a
+    prefill nor a uniform decode stands for."""
+    eager = dataclasses.replace(NO_SP, enforce_eager=True)
+    assert_refused_everywhere(
+        run_stages(pool, eager, dataclasses.replace(NO_SP, cudagraph_mode="PIECEWISE")),
+        "batch_padding: a batch of 3 tokens (with a prefill) is dispatched as "
+        "3 tokens on stage 0, which sends 3 rows, and as 4 on stage 1",
+    )
+    v2 = dataclasses.replace(NO_SP, runner="v2")
+    assert_refused_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(v2, enforce_eager=True),
+            dataclasses.replace(v2, varlen_decode=True),
+        ),
+        "batch_padding: a batch of 3 tokens (decodes of up to 1 tokens) is "
+        "dispatched as 3 tokens on stage 0, which sends 3 rows, and as 4 on "
+        "stage 1",
+    )
+
+
+@topologies((2, 2))
+def test_a_runner_without_graph_dispatch_pads_nothing(pool):
+    """A runner with neither the legacy dispatcher nor the V2 manager (an
+    out-of-tree platform's) runs every batch as it comes: it starts next to
+    another such runner, and is refused next to a later stage that pads."""
+    bare = dataclasses.replace(NO_SP, runner="none")
+    assert_started_everywhere(run_stages(pool, bare, bare))
+    assert_refused_everywhere(
+        run_stages(pool, bare, NO_SP),
+        "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
+        "request) is dispatched as 3 tokens on stage 0, which sends 3 rows, "
+        "and as 4 on stage 1, which expects at least 4",
+    )
+
+
+@topologies((2, 2))
+def test_a_model_that_declares_nothing_and_has_no_taps_is_compared_too(pool):
+    """Most models of 0.33.0 declare no hand-off and no EAGLE taps: their
+    stages start where they pad alike, and are refused where a later stage
+    pads more, which fails at the first step in 0.33.0 as well."""
+    plain = dataclasses.replace(NO_SP, plain_model=True)
+    assert_started_everywhere(run_stages(pool, plain, plain))
+    assert_refused_everywhere(
+        run_stages(pool, dataclasses.replace(plain, enforce_eager=True), plain),
+        "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
+        "request) is dispatched as 3 tokens on stage 0, which sends 3 rows, "
+        "and as 4 on stage 1, which expects at least 4",
+    )
+
+
+@topologies((2, 2))
 def test_without_sp_other_backends_start_and_are_shown_on_every_stage(pool):
     """The MoE backend alone is not part of the hand-off: without SP on any
     stage, each stage's EP group may run its own backend."""
@@ -317,6 +404,33 @@ def test_with_sp_stages_that_shard_a_batch_differently_are_refused(pool):
                 "--speculative-config (num_speculative_tokens)",
                 "lowered the CUDA graph mode it resolved",
             )
+
+
+@topologies((2, 2))
+def test_modes_are_compared_as_the_runners_resolved_them(pool):
+    """Equal flags, and the last stage's attention backends lower the mode:
+    the check shows the modes the runners resolved, not the flags. Lowered
+    to PIECEWISE every batch pads alike and the stages start; lowered to
+    NONE a 5-token decode is 4 shard rows on stage 0 and 3 on stage 1, and
+    the error says the flags may match."""
+    for runner in ("legacy", "v2"):
+        first = dataclasses.replace(
+            SP, runner=runner, cudagraph_mode="FULL_AND_PIECEWISE"
+        )
+        last = dataclasses.replace(first, resolved_mode="PIECEWISE")
+        assert_started_everywhere(
+            run_stages(pool, first, last),
+            "cudagraph_mode: stage 0=FULL_AND_PIECEWISE, stage 1=PIECEWISE",
+        )
+        first = dataclasses.replace(SP, runner=runner)
+        last = dataclasses.replace(first, resolved_mode="NONE")
+        assert_refused_everywhere(
+            run_stages(pool, first, last),
+            "batch_padding: a batch of 5 tokens (a uniform decode of 1 per "
+            "request) is dispatched as 8 tokens on stage 0",
+            "cudagraph_mode: stage 0=FULL_DECODE_ONLY, stage 1=NONE",
+            "If the flags already match, a stage's attention backends",
+        )
 
 
 @topologies((2, 2))
