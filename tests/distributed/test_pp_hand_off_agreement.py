@@ -21,7 +21,12 @@ import torch
 
 from tests.distributed.conftest import topologies
 from tests.sppp_testbed.tiny_k3 import build_model, scenario_config, stand_ins
-from vllm.config import CompilationMode, CUDAGraphMode, set_current_vllm_config
+from vllm.config import (
+    CompilationMode,
+    CUDAGraphMode,
+    LoRAConfig,
+    set_current_vllm_config,
+)
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.model_executor.models.interfaces import EagleModelMixin
 from vllm.platforms import current_platform
@@ -57,6 +62,10 @@ class StageFlags:
     varlen_decode: bool = False
     enable_jit_warmup: bool = False
     num_speculative_tokens: int = 0
+    # --max-loras (0: no LoRA), and whether graphs are also captured for
+    # batches without LoRA (cudagraph_specialize_lora).
+    max_loras: int = 0
+    lora_free_graphs: bool = True
     # False: the model captures its taps from what it received and relays
     # none across stages, as Qwen3-MoE and most EAGLE-3 targets in 0.33.0.
     relays_aux: bool = True
@@ -177,6 +186,11 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
                         uses_dynamic_speculative_decoding=lambda: False,
                     ),
                 )
+            if flags.max_loras:
+                object.__setattr__(
+                    config, "lora_config", LoRAConfig(max_loras=flags.max_loras)
+                )
+                compilation.cudagraph_specialize_lora = flags.lora_free_graphs
             runner = stage_runner(config, flags)
             if flags.foreign_dispatch:
                 runner.cudagraph_dispatcher.dispatch = lambda batch_descriptor: None
@@ -273,6 +287,22 @@ def test_a_later_stage_that_pads_only_a_single_token_is_refused(pool):
         "and as 2 on stage 1, which expects at least 2",
         "cudagraph_capture_sizes: stage 0=[1, 2, 4, 8], stage 1=[2, 4, 8]",
     )
+
+
+@topologies((2, 2))
+def test_a_later_stage_that_pads_only_batches_with_loras_is_refused(pool):
+    """With LoRA graphs only (cudagraph_specialize_lora off) stage 1 runs
+    batches without LoRA eagerly, as the eager stage 0 does, and pads those
+    with LoRAs: the check asks for each batch's LoRA count as the runner
+    dispatches it, and names the first count that pads differently."""
+    lora = dataclasses.replace(NO_SP, max_loras=2, lora_free_graphs=False)
+    assert_refused_everywhere(
+        run_stages(pool, dataclasses.replace(lora, enforce_eager=True), lora),
+        "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
+        "request, 1 LoRA(s)) is dispatched as 3 tokens on stage 0, which "
+        "sends 3 rows, and as 4 on stage 1, which expects at least 4",
+    )
+    assert_started_everywhere(run_stages(pool, lora, lora))
 
 
 @topologies((2, 2))

@@ -100,6 +100,17 @@ def test_dp_attention_across_stages_says_why_sp_stays_off():
 
 
 # PP sizes no other test logs: each message is logged once per process.
+@pytest.mark.parametrize(
+    "options",
+    [{"backend": "auto", "pp": 11}, {"ep": False, "dp": 2, "pp": 13}],
+)
+def test_sp_off_without_dp_attention_or_ep_logs_nothing(options):
+    """The DP-attention message is for deployments that would run SP at
+    PP = 1; another backend without DP, or DP without EP, never would."""
+    assert logged(vllm_config(**options)) == []
+
+
+# PP sizes no other test logs: each message is logged once per process.
 @pytest.mark.parametrize("pp", [3, 5])
 def test_micro_batches_across_stages_keep_the_replicated_layout(pp):
     """0.33.0 runs MegaMoE with DBO at PP > 1 replicated; so does the series,
