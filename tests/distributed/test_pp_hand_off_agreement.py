@@ -60,6 +60,9 @@ class StageFlags:
     runner: str = "legacy"
     # The V2 runner's decode graphs take any mix of query lengths.
     varlen_decode: bool = False
+    # The V2 runner's decode query length where its model state samples
+    # other than one token per step; None: 1 + num_speculative_tokens.
+    decode_query_len: int | None = None
     enable_jit_warmup: bool = False
     num_speculative_tokens: int = 0
     # --max-loras (0: no LoRA), and whether graphs are also captured for
@@ -128,7 +131,8 @@ def stage_runner(config, flags: StageFlags) -> types.SimpleNamespace:
                 config,
                 torch.device("cpu"),
                 mode,
-                decode_query_len=1 + flags.num_speculative_tokens,
+                decode_query_len=flags.decode_query_len
+                or 1 + flags.num_speculative_tokens,
                 varlen_decode=flags.varlen_decode,
             )
         finally:
@@ -356,6 +360,21 @@ def test_a_model_that_declares_nothing_and_has_no_taps_is_compared_too(pool):
         "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
         "request) is dispatched as 3 tokens on stage 0, which sends 3 rows, "
         "and as 4 on stage 1, which expects at least 4",
+    )
+
+
+@topologies((2, 2))
+def test_v2_decodes_are_asked_at_the_runners_own_query_length(pool):
+    """The V2 runner's decode query length is its model state's (draft
+    tokens plus the tokens it samples per step), not always 1 + draft
+    tokens: with 2 and no drafter, stage 1 pads 3 decodes of 2 tokens to 8
+    while the eager stage 0 sends 6 rows."""
+    v2 = dataclasses.replace(NO_SP, runner="v2", decode_query_len=2)
+    assert_refused_everywhere(
+        run_stages(pool, dataclasses.replace(v2, enforce_eager=True), v2),
+        "batch_padding: a batch of 6 tokens (a uniform decode of 2 per "
+        "request) is dispatched as 6 tokens on stage 0, which sends 6 rows, "
+        "and as 8 on stage 1, which expects at least 8",
     )
 
 
