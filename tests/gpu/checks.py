@@ -22,7 +22,9 @@ TP collective runs), and the PP position is declared to the graph manager
 attention layers, so no attention metadata is built for capture.
 
 The same functions run on the CPU in ``make test`` (tests/unit), where
-:func:`capture_graphs` replays by re-running the captured forward.
+:func:`capture_graphs` replays by re-running the captured forward; there it
+also captures a last stage (:class:`LastStage`), whose graphs keep hidden
+states instead of a hand-off.
 """
 
 from __future__ import annotations
@@ -95,17 +97,42 @@ class ShardedStage(nn.Module):
         )
 
 
+class LastStage(nn.Module):
+    """The last PP stage of a replicated model: the ``N`` rows it received
+    in, ``N`` rows of hidden states out, each mixing every earlier row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(37)
+        self.weight = nn.Parameter(
+            torch.randn(HIDDEN, HIDDEN, generator=generator) / HIDDEN**0.5
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        assert intermediate_tensors is not None
+        num_tokens = positions.shape[0]
+        hidden = intermediate_tensors["hidden_states"][:num_tokens]
+        residual = intermediate_tensors["residual"][:num_tokens]
+        return torch.cumsum(torch.tanh(hidden @ self.weight), dim=0) + residual
+
+
 @contextlib.contextmanager
-def declared_topology() -> Iterator[None]:
-    """TP size 2 for the row rule, a middle PP stage for the graph manager:
-    what one GPU in one process cannot be, declared instead."""
+def declared_topology(last_stage: bool = False) -> Iterator[None]:
+    """TP size 2 for the row rule, a middle (or the last) PP stage for the
+    graph manager: what one GPU in one process cannot be, declared instead."""
     from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
     from vllm.v1.worker.gpu import cudagraph_utils
 
     saved = (k3_sp.get_tensor_model_parallel_world_size, cudagraph_utils.get_pp_group)
     k3_sp.get_tensor_model_parallel_world_size = lambda: DECLARED_TP
     cudagraph_utils.get_pp_group = lambda: types.SimpleNamespace(
-        is_first_rank=False, is_last_rank=False
+        is_first_rank=False, is_last_rank=last_stage
     )
     try:
         yield
@@ -148,9 +175,10 @@ def graph_config() -> VllmConfig:
     return config
 
 
-def capture_graphs(device: torch.device) -> Stage:
-    """Capture FULL graphs of :class:`ShardedStage` for every capture size
-    with vLLM's V2 graph manager (call under :func:`declared_topology`)."""
+def capture_graphs(device: torch.device, model: nn.Module | None = None) -> Stage:
+    """Capture FULL graphs of ``model`` (a :class:`ShardedStage` by default)
+    for every capture size with vLLM's V2 graph manager (call under
+    :func:`declared_topology`)."""
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu import cudagraph_utils
 
@@ -164,7 +192,7 @@ def capture_graphs(device: torch.device) -> Stage:
         )
     finally:
         current_platform.get_global_graph_pool = saved_pool
-    model = ShardedStage().to(device)
+    model = (model or ShardedStage()).to(device)
     buffers = IntermediateTensors(
         {
             key: torch.zeros(CAPACITY, HIDDEN, device=device)

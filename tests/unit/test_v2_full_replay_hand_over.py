@@ -7,6 +7,7 @@ the FULL path must fail them."""
 import torch
 
 from tests.gpu import checks
+from vllm.config import CUDAGraphMode
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner
 
 
@@ -29,3 +30,22 @@ def test_skipping_the_full_hand_over_is_caught():
         problems = checks.check_execute_model(stage, planted, lambda line: None)
     assert "a hand-off of other rows than the shard was not refused" in problems
     assert any("returned other rows" in problem for problem in problems)
+
+
+def test_last_stage_replay_returns_what_each_size_computed():
+    """On the last stage the capture keeps hidden states, not a hand-off:
+    each size's replay returns its own N rows, computed from what the
+    runner handed over into the persistent buffers."""
+    with checks.declared_topology(last_stage=True):
+        stage = checks.capture_graphs(torch.device("cpu"), checks.LastStage())
+        descs = stage.manager._capture_descs[CUDAGraphMode.FULL]
+        assert sorted(d.num_tokens for d in descs) == checks.CAPTURE_SIZES
+        for seed, desc in enumerate(descs):
+            num_tokens = desc.num_tokens
+            received = checks.received_shard(num_tokens, seed, stage.device)
+            for key, tensor in received.items():
+                stage.buffers[key][:num_tokens] = tensor
+            want = checks.eager_output(stage, received, num_tokens)
+            got = stage.manager.run_fullgraph(desc)
+            assert got.shape == (num_tokens, checks.HIDDEN)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
