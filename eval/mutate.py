@@ -40,7 +40,8 @@ mutant is written, so an interrupted run (Ctrl-C, kill) is put right by the
 handler or, after SIGKILL, by the next start. Results go to
 ``results/mutation/mutants.jsonl`` (one decided mutant a line; a mutant
 decided for the same installed bytes is skipped, a survivor is tried again
-when the tests changed) and ``results/mutation/summary.md``.
+when the tests changed unless ``equivalent.json`` gives the reason it cannot
+change behaviour) and ``results/mutation/summary.md``.
 """
 
 from __future__ import annotations
@@ -547,6 +548,9 @@ def main(argv: list[str] | None = None) -> int:
     db_path = args.results / "mutants.jsonl"
     done = decided(db_path)
     tdig = tests_digest(root, args.tests)
+    # A survivor shown equivalent (for these bytes: the id says which) cannot
+    # be killed by any test; the others are tried again when the tests change.
+    equivalent = equivalent_ids(args.results)
     todo, all_ids = [], []
     trees: dict[str, ast.AST] = {}
     for rel, lines in sorted(added_lines(root).items()):
@@ -558,7 +562,9 @@ def main(argv: list[str] | None = None) -> int:
             mid = m.key(expected[rel])
             all_ids.append(mid)
             rec = done.get(mid)
-            if rec and (rec["status"] == "killed" or rec["tests"] == tdig):
+            if rec and (
+                rec["status"] == "killed" or rec["tests"] == tdig or mid in equivalent
+            ):
                 continue
             todo.append((mid, m))
     if args.limit is not None:
@@ -649,9 +655,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def write_summary(results: Path, recs: list[dict], total: int) -> None:
+def equivalent_ids(results: Path) -> dict[str, str]:
+    """``equivalent.json``: survivor id -> why it cannot change behaviour."""
     eq_path = results / "equivalent.json"
-    equivalent = json.loads(eq_path.read_text()) if eq_path.exists() else {}
+    return json.loads(eq_path.read_text()) if eq_path.exists() else {}
+
+
+def write_summary(results: Path, recs: list[dict], total: int) -> None:
+    equivalent = equivalent_ids(results)
     killed = sum(r["status"] == "killed" for r in recs)
     survivors = [r for r in recs if r["status"] == "survived"]
     eq = [r for r in survivors if r["id"] in equivalent]

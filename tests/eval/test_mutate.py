@@ -74,6 +74,17 @@ def test_planted_mutants_are_killed_or_survive_and_the_tree_is_restored(tmp_path
     # Resumable: a second run decides nothing again.
     assert mutate.main(argv) == 0
     assert len((results / "mutants.jsonl").read_text().splitlines()) == len(recs)
+    # Changed tests try the survivors again, but for one shown equivalent.
+    survivors = [r["id"] for r in recs if r["status"] == "survived"]
+    assert len(survivors) >= 2
+    (results / "equivalent.json").write_text(json.dumps({survivors[0]: "why"}))
+    test_file = root / "tests" / "test_probe.py"
+    test_file.write_text(test_file.read_text() + "\n# changed\n")
+    assert mutate.main(argv) == 0
+    lines = (results / "mutants.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["id"] for x in lines[len(recs) :]) == sorted(
+        survivors[1:]
+    )
 
 
 def test_a_mutant_left_by_a_killed_run_is_restored_at_start(tmp_path):
