@@ -299,7 +299,7 @@ def test_a_later_stage_that_pads_only_batches_with_loras_is_refused(pool):
     batches without LoRA eagerly, as the eager stage 0 does, and pads those
     with LoRAs: the check asks for each batch's LoRA count as the runner
     dispatches it, and names the first count that pads differently."""
-    lora = dataclasses.replace(NO_SP, max_loras=2, lora_free_graphs=False)
+    lora = dataclasses.replace(NO_SP, max_loras=1, lora_free_graphs=False)
     assert_refused_everywhere(
         run_stages(pool, dataclasses.replace(lora, enforce_eager=True), lora),
         "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
