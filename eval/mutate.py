@@ -352,13 +352,18 @@ def calls_map(
     if proc.returncode:
         sys.exit("mutate: the runtime tests fail without a mutant; fix them first")
     calls: dict[str, dict[str, set[str]]] = {}
-    prefix = str(target) + os.sep
+    prefix = os.path.realpath(target) + os.sep
     for part in out.glob("*.jsonl"):
         for line in part.read_text().splitlines():
             rec = json.loads(line)
             for filename, first in rec["calls"]:
                 rel = filename.removeprefix(prefix)
                 calls.setdefault(rel, {}).setdefault(str(first), set()).add(rec["test"])
+    if not calls:
+        sys.exit(
+            f"mutate: the traced run recorded no call into the series' files "
+            f"under {target}: do the tests import vLLM from there?"
+        )
     result = {
         rel: {line: sorted(t) for line, t in lines.items()}
         for rel, lines in calls.items()

@@ -40,13 +40,20 @@ def recording(test: str | None) -> Iterator[None]:
     if not enabled():
         yield
         return
-    files = set(os.environ[FILES_ENV].split(os.pathsep))
+    files = {os.path.realpath(f) for f in os.environ[FILES_ENV].split(os.pathsep)}
+    # Code file name -> the series' file it is (resolved: a tree reached
+    # through a linked .venv names it otherwise), or None; once per name.
+    seen: dict[str, str | None] = {}
     calls: set[tuple[str, int]] = set()
 
     def trace(frame, event, arg):
         code = frame.f_code
-        if code.co_filename in files:
-            calls.add((code.co_filename, code.co_firstlineno))
+        name = code.co_filename
+        if name not in seen:
+            real = os.path.realpath(name)
+            seen[name] = real if real in files else None
+        if seen[name] is not None:
+            calls.add((seen[name], code.co_firstlineno))
         return None  # no line events: calls only
 
     saved = sys.gettrace()

@@ -129,3 +129,18 @@ def test_jobs_decide_as_one_process_does_in_copies_of_the_tree(tmp_path, monkeyp
     worker = root / "build" / "mutate" / "worker-1" / "site" / "vllm"
     assert not (worker / "probe.py").is_symlink()  # mutated there, a copy
     assert (worker / "other.py").is_symlink()
+
+
+def test_calls_are_recorded_through_a_linked_tree(tmp_path):
+    """A clone whose .venv links another's imports the series' files under
+    the link's name; the traced run still finds which test calls them."""
+    root, target = _tree(tmp_path)
+    link = tmp_path / "linked-site"
+    link.symlink_to(target)
+    (root / "tests" / "test_probe.py").write_text(TEST.format(target=link))
+    results = tmp_path / "results"
+    argv = ["--patch-set", str(root), "--target", str(target)]
+    assert mutate.main([*argv, "--tests", "tests", "--results", str(results)]) == 0
+    recs = [json.loads(x) for x in (results / "mutants.jsonl").read_text().splitlines()]
+    killed = [r for r in recs if r["file"] == "vllm/probe.py:5"]
+    assert killed and all(r["selected"] == ["tests/test_probe.py"] for r in killed)
