@@ -515,6 +515,21 @@ def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
         assert "moe_backend" not in error and "cudagraph" not in error, error
 
 
+@topologies((2, 3))
+def test_each_boundary_is_compared_with_its_own_neighbours(pool):
+    """Three stages of layers [0, 1), [1, 3), [3, 4) and taps (0, 2, 3):
+    stage 1 relays all three to stage 2; a stage 2 started with taps (0, 2)
+    expects two. Only that boundary is named, with its own two stages."""
+    v2 = dataclasses.replace(SP, runner="v2")
+    other = dataclasses.replace(v2, aux_layers=(0, 2))
+    errors = assert_refused_everywhere(
+        run_stages(pool, v2, v2, other),
+        "aux_hidden_state_slots: stage 1 sends 3, stage 2 expects 2",
+    )
+    for error in errors:
+        assert "stage 0 sends" not in error, error
+
+
 @topologies((2, 2))
 def test_aux_layers_set_on_the_last_stage_only_start(pool):
     """The legacy runner sets aux layers on the last stage only; with every
