@@ -201,7 +201,8 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
             try:
                 check_pp_hand_off_agreement(config, model, runner)
             except RuntimeError as error:
-                return str(error), warnings
+                cause = f" [cause: {error.__cause__!r}]" if error.__cause__ else ""
+                return f"{error}{cause}", warnings
     finally:
         pp_hand_off_agreement.logger.removeHandler(handler)
     return None, warnings
@@ -599,11 +600,14 @@ def test_a_stage_that_cannot_answer_fails_every_stage_at_once(pool):
     """A stage whose settings raise sends its error: no stage waits for it
     until the gloo timeout."""
     results = run_stages(pool, SP, dataclasses.replace(SP, broken=True))
-    for error, _ in results:
-        assert error == (
-            "Pipeline stages could not compare their hand-off settings: stage 1: "
-            "RuntimeError: planted: this stage cannot answer"
-        ), error
+    message = (
+        "Pipeline stages could not compare their hand-off settings: stage 1: "
+        "RuntimeError: planted: this stage cannot answer"
+    )
+    # The failing stage raises from its own error: its traceback is kept.
+    cause = " [cause: RuntimeError('planted: this stage cannot answer')]"
+    errors = [error for error, _ in results]
+    assert errors == [message] * pool.tp + [message + cause] * pool.tp, errors
 
 
 @topologies((2, 2))
