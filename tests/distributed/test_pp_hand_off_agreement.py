@@ -520,7 +520,8 @@ def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
 def test_each_boundary_is_compared_with_its_own_neighbours(pool):
     """Three stages of layers [0, 1), [1, 3), [3, 4) and taps (0, 2, 3):
     stage 1 relays all three to stage 2; a stage 2 started with taps (0, 2)
-    expects two. Only that boundary is named, with its own two stages."""
+    expects two. Only that boundary is named, with its own two stages; so
+    is the one boundary whose stages pad a batch differently."""
     v2 = dataclasses.replace(SP, runner="v2")
     other = dataclasses.replace(v2, aux_layers=(0, 2))
     errors = assert_refused_everywhere(
@@ -529,6 +530,14 @@ def test_each_boundary_is_compared_with_its_own_neighbours(pool):
     )
     for error in errors:
         assert "stage 0 sends" not in error, error
+    # Likewise the padding: eager stages 0 and 1 agree, stage 2 pads more.
+    eager = dataclasses.replace(NO_SP, enforce_eager=True)
+    assert_refused_everywhere(
+        run_stages(pool, eager, eager, NO_SP),
+        "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
+        "request) is dispatched as 3 tokens on stage 1, which sends 3 rows, "
+        "and as 4 on stage 2, which expects at least 4",
+    )
 
 
 @topologies((2, 2))
