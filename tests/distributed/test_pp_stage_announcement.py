@@ -8,6 +8,7 @@ start-up check of test_pp_hand_off_agreement."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 
@@ -120,3 +121,35 @@ def test_an_older_protocol_without_our_keys_is_a_message_not_a_key_error(pool):
 def test_same_revision_starts_as_before(pool):
     results = run(pool, "patched", "patched")
     assert [error for error, _ in results] == [None] * len(results), results
+
+
+def announce_logging() -> list[str]:
+    """This stage's announcement, and what it logged meanwhile."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = pp_stage_announcement.logger
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        pp_stage_announcement.announce_and_wait(timeout=BOUND_S)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return records
+
+
+@topologies((2, 2))
+def test_each_stage_logs_what_it_runs_and_whom_it_waits_for(pool):
+    """What a node's log shows while it waits on the others: its stage,
+    host, revision and vLLM, the bound and where to set it."""
+    mine = pp_stage_announcement.this_stage()
+    for rank, lines in enumerate(pool.run(announce_logging, timeout=BOUND_S)):
+        stage = rank // pool.tp
+        assert lines == [
+            f"PP stage {stage} on {mine['host']}: k3-sppp revision "
+            f"{mine['revision']}, vLLM {mine['vllm_version']}, protocol "
+            f"{mine['protocol']}; waiting up to {BOUND_S:.0f} s ({TIMEOUT_ENV}) "
+            f"for stage(s) [{1 - stage}] to announce theirs"
+        ], lines
