@@ -75,6 +75,12 @@ def test_a_stock_stage_is_refused_within_the_bound_naming_it(pool):
         assert "PP stage(s) [1]" in error, error
         assert TIMEOUT_ENV in error and "make status" in error, error
         assert SHORT_BOUND_S <= seconds < SHORT_BOUND_S + 6, seconds
+        mine = pp_stage_announcement.this_stage()
+        assert (
+            f"This stage runs k3-sppp revision {mine['revision']}, vLLM "
+            f"{mine['vllm_version']}, protocol {mine['protocol']}; "
+            f"announced: stage 0 on {mine['host']}" in error
+        ), error
 
 
 def test_a_stage_on_the_pristine_tree_is_refused_within_the_bound(pristine_vllm):

@@ -64,3 +64,8 @@ def test_the_bound_is_settable_and_defaults_to_two_minutes(monkeypatch):
 def test_an_announcement_that_is_not_ours_reads_as_another_protocol(raw):
     parsed = pp_stage_announcement._parse(raw)
     assert str(parsed["protocol"]).startswith("unreadable"), parsed
+
+
+def test_an_unreadable_announcement_is_shown_by_its_first_40_bytes():
+    raw = b"\xff" + bytes(range(60))
+    assert pp_stage_announcement._parse(raw) == {"protocol": f"unreadable {raw[:40]!r}"}
