@@ -129,8 +129,9 @@ def test_same_revision_starts_as_before(pool):
     assert [error for error, _ in results] == [None] * len(results), results
 
 
-def announce_logging() -> list[str]:
-    """This stage's announcement, and what it logged meanwhile."""
+def announce_logging() -> tuple[list[dict], list[str]]:
+    """Every stage's announcement as this stage received them, and what it
+    logged meanwhile."""
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
@@ -139,19 +140,21 @@ def announce_logging() -> list[str]:
     logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
-        pp_stage_announcement.announce_and_wait(timeout=BOUND_S)
+        stages = pp_stage_announcement.announce_and_wait(timeout=BOUND_S)
     finally:
         logger.removeHandler(handler)
         logger.setLevel(level)
-    return records
+    return stages, records
 
 
 @topologies((2, 2))
 def test_each_stage_logs_what_it_runs_and_whom_it_waits_for(pool):
     """What a node's log shows while it waits on the others: its stage,
-    host, revision and vLLM, the bound and where to set it."""
+    host, revision and vLLM, the bound and where to set it; then every
+    stage's announcement, in stage order."""
     mine = pp_stage_announcement.this_stage()
-    for rank, lines in enumerate(pool.run(announce_logging, timeout=BOUND_S)):
+    for rank, (stages, lines) in enumerate(pool.run(announce_logging, timeout=BOUND_S)):
+        assert stages == [mine, mine], stages
         stage = rank // pool.tp
         assert lines == [
             f"PP stage {stage} on {mine['host']}: k3-sppp revision "
