@@ -41,6 +41,12 @@ from vllm.v1.worker.pp_hand_off_agreement import (
 # A start-up check answers at once: far inside the pool's bound on a hang.
 BOUND_S = 30.0
 REFUSED = "disagree on their hand-off and would hang or mix rows"
+# Stage 0 runs a 3-token decode as it comes, stage 1 pads it to its graph of 4.
+PADS_3_TO_4 = (
+    "batch_padding: a batch of 3 tokens (a uniform decode of 1 per request) is "
+    "dispatched as 3 tokens on stage 0, which sends 3 rows, and as 4 on stage 1, "
+    "which expects at least 4"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,9 +264,7 @@ def test_without_sp_a_later_stage_that_pads_more_is_refused_naming_the_batch(poo
     ):
         assert_refused_everywhere(
             run_stages(pool, first, NO_SP),
-            "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
-            "request) is dispatched as 3 tokens on stage 0, which sends 3 rows, "
-            "and as 4 on stage 1, which expects at least 4",
+            PADS_3_TO_4,
             "--compilation-config, --max-cudagraph-capture-size, --enforce-eager",
         )
 
@@ -343,9 +347,7 @@ def test_a_runner_without_graph_dispatch_pads_nothing(pool):
     assert_started_everywhere(run_stages(pool, bare, bare))
     assert_refused_everywhere(
         run_stages(pool, bare, NO_SP),
-        "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
-        "request) is dispatched as 3 tokens on stage 0, which sends 3 rows, "
-        "and as 4 on stage 1, which expects at least 4",
+        PADS_3_TO_4,
     )
 
 
@@ -358,9 +360,7 @@ def test_a_model_that_declares_nothing_and_has_no_taps_is_compared_too(pool):
     assert_started_everywhere(run_stages(pool, plain, plain))
     assert_refused_everywhere(
         run_stages(pool, dataclasses.replace(plain, enforce_eager=True), plain),
-        "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
-        "request) is dispatched as 3 tokens on stage 0, which sends 3 rows, "
-        "and as 4 on stage 1, which expects at least 4",
+        PADS_3_TO_4,
     )
 
 
