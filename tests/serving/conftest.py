@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from tests.serving.server import Server, write_model_dir
+from tests.serving.worker import STAGE1_MOE_BACKEND
 
 TP2PP2 = ["-tp", "2", "-pp", "2", "--enable-expert-parallel"]
 
@@ -27,6 +28,8 @@ class Layout:
     frontend: str  # "python" or "rust"
     arm: str | None
     env: dict[str, str] = field(default_factory=dict)
+    # False for a server the stages' agreement must refuse at start-up.
+    starts: bool = True
 
 
 # The sequence-parallel layout is served by the Rust frontend (as every arm
@@ -43,10 +46,20 @@ LAYOUTS = {
         "python",
         "fi-ep",
     ),
+    # Stage 1 builds its model with another MoE backend, as a node started
+    # with other flags would.
+    "TP2xPP2 SP, stage 1 triton": Layout(
+        [*TP2PP2, "--moe-backend", "deep_gemm_mega_moe"],
+        "python",
+        None,
+        env={STAGE1_MOE_BACKEND: "triton"},
+        starts=False,
+    ),
 }
 REFERENCE = "TP1xPP1"
 SP = "TP2xPP2 SP (MegaMoE, EP)"
 REPLICATED = "TP2xPP2 replicated (triton, EP)"
+REFUSED = "TP2xPP2 SP, stage 1 triton"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -74,34 +87,38 @@ class Servers:
         self.started: dict[str, Server] = {}
         self.startup: dict[str, float] = {}
 
-    def __getitem__(self, name: str) -> Server:
-        if name not in self.started:
-            # Start every layout the selected tests name at once: the
-            # start-ups overlap where they wait (imports, the engine's
-            # hand-shakes, the ranks' rendezvous).
-            for other in dict.fromkeys([name, *self.wanted]):
-                if other not in self.started:
-                    layout = LAYOUTS[other]
-                    env = dict(layout.env)
-                    if layout.frontend == "rust":
-                        env["VLLM_USE_RUST_FRONTEND"] = "1"
-                    log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
-                    self.started[other] = Server(
-                        self.model_dir,
-                        free_port(),
-                        layout.args,
-                        env=env,
-                        log=self.logs / log,
-                    )
-            # Each start-up timed from its own start, all of them now; one
-            # that fails is reported to the tests that ask for it.
-            for other, server in self.started.items():
-                if other not in self.startup and other != name:
-                    with contextlib.suppress(RuntimeError, TimeoutError):
-                        self.startup[other] = server.wait_ready()
-        if name not in self.startup:
-            self.startup[name] = self.started[name].wait_ready()
+    def start(self, name: str) -> Server:
+        """The named server, started (not waited for) with every other one
+        the selected tests name: the start-ups overlap where they wait
+        (imports, the engine's hand-shakes, the ranks' rendezvous)."""
+        for other in dict.fromkeys([name, *self.wanted]):
+            if other not in self.started:
+                layout = LAYOUTS[other]
+                env = dict(layout.env)
+                if layout.frontend == "rust":
+                    env["VLLM_USE_RUST_FRONTEND"] = "1"
+                log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
+                self.started[other] = Server(
+                    self.model_dir,
+                    free_port(),
+                    layout.args,
+                    env=env,
+                    log=self.logs / log,
+                )
         return self.started[name]
+
+    def __getitem__(self, name: str) -> Server:
+        """The named server, healthy."""
+        server = self.start(name)
+        # Each start-up timed from its own start, all of them now; one that
+        # fails is reported to the tests that ask for it.
+        for other, started in self.started.items():
+            if other not in self.startup and other != name and LAYOUTS[other].starts:
+                with contextlib.suppress(RuntimeError, TimeoutError):
+                    self.startup[other] = started.wait_ready()
+        if name not in self.startup:
+            self.startup[name] = server.wait_ready()
+        return server
 
     def stop(self) -> None:
         for server in self.started.values():

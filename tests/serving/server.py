@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +16,7 @@ from pathlib import Path
 from tests.sppp_testbed import tiny_k3
 
 ROOT = Path(__file__).resolve().parents[2]
+PLUGINS = Path(__file__).resolve().parent / "plugins"
 VLLM = Path(sys.executable).with_name("vllm")
 EOS = 0
 
@@ -84,11 +86,13 @@ SERVE_ARGS = [
 
 def serve_env() -> dict[str, str]:
     """The environment of a test server: the CPU platform, this checkout on
-    the path (for ``--worker-cls``), the V1 runner the stand-in replaces."""
+    the path (for ``--worker-cls``) with the entry point of
+    :mod:`tests.serving.fork_processes`, the V1 runner the stand-in replaces."""
+    path = [str(ROOT), str(PLUGINS), os.environ.get("PYTHONPATH", "")]
     return dict(
         os.environ,
         VLLM_TARGET_DEVICE="cpu",
-        PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+        PYTHONPATH=os.pathsep.join(path),
         VLLM_USE_V2_MODEL_RUNNER="0",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
     )
@@ -132,6 +136,13 @@ class Server:
                 cwd=ROOT,
                 start_new_session=True,
             )
+        # When it exits, however late it is asked.
+        self.exited: float | None = None
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        self.process.wait()
+        self.exited = time.monotonic()
 
     def wait_ready(self, timeout: float = 420) -> float:
         """Seconds from start to the first healthy answer; the log's tail if

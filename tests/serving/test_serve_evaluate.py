@@ -7,8 +7,11 @@ tables are made tiny; everything else is what a cluster run does."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 import pytest
@@ -18,56 +21,106 @@ from tests.serving.conftest import LAYOUTS, REPLICATED, SP
 
 GSM8K_DATA = Path(__file__).resolve().parents[1] / "eval" / "data" / "gsm8k"
 LIMIT = 2
+# The tiny model never writes GSM8K's stop sequences: every answer runs to
+# lm-eval's max_gen_toks, 512 decode steps through the ranks at the arms'.
+MAX_GEN_TOKS = 16
 PREFILL = bench.Point(128, 1)
-DECODE = bench.Point(64, 2, 16)
+DECODE = bench.Point(64, 2, 4)
 
 
-@pytest.fixture
-def tiny_sweeps(monkeypatch):
-    """One point per sweep, small enough for the CPU ranks."""
-    for name, point in (("prefill", PREFILL), ("decode", DECODE)):
-        sweep = dataclasses.replace(bench.SWEEPS[name], points=(point,))
-        monkeypatch.setitem(bench.SWEEPS, name, sweep)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+EVALUATED = (SP, REPLICATED)
 
 
-@pytest.mark.parametrize(
-    "layout",
-    [pytest.param(n, marks=pytest.mark.layouts(n), id=n) for n in (SP, REPLICATED)],
-)
-def test_make_evaluate_against_the_real_server(
-    servers, model_dir, tmp_path, tiny_sweeps, capsys, layout
-):
-    server, arm = servers[layout], LAYOUTS[layout].arm
-    caching = "--no-enable-prefix-caching" not in LAYOUTS[layout].args
+def evaluate_argv(layout: str, url: str, model_dir: Path, results: Path) -> list[str]:
     argv = [
-        "--results", str(tmp_path),
-        "--arm", arm,
-        "--base-url", server.url,
+        "--results", str(results),
+        "--arm", LAYOUTS[layout].arm,
+        "--base-url", url,
         "--served-model-name", "tiny-k3",
         "--checkpoint", str(model_dir),
-        "--served", str(tmp_path / "served"),
+        "--served", str(results / "served"),
         "--sweeps", "prefill,decode",
         "--limit", str(LIMIT),
         "--data", str(GSM8K_DATA),
     ]  # fmt: skip
-    if caching:  # the bench refuses a caching server unless told
+    if caching(layout):  # the bench refuses a caching server unless told
         argv.append("--allow-prefix-caching")
-    assert evaluate.main(argv) == 0
+    return argv
 
-    manifest = json.loads((tmp_path / "evaluate" / f"{arm}.json").read_text())
-    (run,) = manifest["runs"]
-    assert run["served_vllm_version"] == "0.33.0"
-    assert [(s["step"], s["state"]) for s in run["steps"]] == [
+
+def caching(layout: str) -> bool:
+    return "--no-enable-prefix-caching" not in LAYOUTS[layout].args
+
+
+def point_row(section: str, title: str, point: bench.Point) -> list[str]:
+    """The cells of ``point``'s row in the report's table ``title``."""
+    table = section.split(f"#### {title}\n")[1].split("####")[0]
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in table.splitlines()
+        if line.startswith("|")
+    ]
+    return next(
+        r for r in rows if r[:2] == [str(point.input_len), str(point.concurrency)]
+    )
+
+
+@pytest.fixture(scope="module")
+def evaluations(servers, model_dir, tmp_path_factory):
+    """``make evaluate``'s code against both servers at once (one per
+    frontend: their clients' start-ups overlap), one point per sweep and
+    GSM8K answers cut to MAX_GEN_TOKS: per layout, its results directory and
+    the run's exit code (or what it raised), the report's and what it printed."""
+    results = {name: tmp_path_factory.mktemp("evaluate") for name in EVALUATED}
+    urls = {name: servers[name].url for name in EVALUATED}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, point in (("prefill", PREFILL), ("decode", DECODE)):
+            sweep = dataclasses.replace(bench.SWEEPS[name], points=(point,))
+            patch.setitem(bench.SWEEPS, name, sweep)
+        patch.setattr(gsm8k, "MAX_GEN_TOKS", MAX_GEN_TOKS)
+        patch.setenv("HF_HUB_OFFLINE", "1")
+        patch.setenv("HF_DATASETS_OFFLINE", "1")
+        with ThreadPoolExecutor(len(EVALUATED)) as pool:
+            runs = {
+                name: pool.submit(
+                    evaluate.main,
+                    evaluate_argv(name, urls[name], model_dir, results[name]),
+                )
+                for name in EVALUATED
+            }
+            wait(runs.values())
+        # make bench-report's code, while the sweeps are the tiny ones.
+        reports = {}
+        for name in EVALUATED:
+            with contextlib.redirect_stdout(io.StringIO()) as out:
+                code = bench.main(["--results", str(results[name] / "bench"), "report"])
+            reports[name] = code, out.getvalue()
+    return {name: (results[name], runs[name], reports[name]) for name in EVALUATED}
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(n, marks=pytest.mark.layouts(n), id=n) for n in EVALUATED],
+)
+def test_make_evaluate_against_the_real_server(evaluations, capsys, layout):
+    results, run, (report_code, report) = evaluations[layout]
+    arm = LAYOUTS[layout].arm
+    assert run.result() == 0
+
+    manifest = json.loads((results / "evaluate" / f"{arm}.json").read_text())
+    (entry,) = manifest["runs"]
+    assert entry["served_vllm_version"] == "0.33.0"
+    assert [(s["step"], s["state"]) for s in entry["steps"]] == [
         ("gsm8k", "finished"),
         ("bench prefill", "finished"),
         ("bench decode", "finished"),
     ]
-    accuracy = gsm8k.arm_summary(gsm8k.load_arm(tmp_path / "gsm8k" / arm))
+    gsm8k_run = gsm8k.load_arm(results / "gsm8k" / arm)
+    assert gsm8k_run.manifest["settings"]["max_gen_toks"] == MAX_GEN_TOKS
+    accuracy = gsm8k.arm_summary(gsm8k_run)
     assert accuracy["n"] == LIMIT
 
-    out = tmp_path / "bench" / arm
+    out = results / "bench" / arm
     prefill = json.loads((out / PREFILL.filename).read_text())
     decode = json.loads((out / DECODE.filename).read_text())
     assert (prefill["completed"], prefill["failed"]) == (PREFILL.num_prompts, 0)
@@ -76,7 +129,10 @@ def test_make_evaluate_against_the_real_server(
     assert prefill["total_input_tokens"] == sent
     assert (decode["completed"], decode["failed"]) == (DECODE.num_prompts, 0)
     assert decode["total_output_tokens"] == DECODE.num_prompts * DECODE.output_len
-    assert decode["mean_tpot_ms"] > 0
+    # Every metric the report reads is a key the real client writes.
+    assert set(bench.DECODE_METRICS) <= decode.keys()
+    assert decode["mean_tpot_ms"] > 0 and decode["mean_itl_ms"] > 0
+    assert len(decode["latencies"]) == DECODE.num_prompts
 
     # What the server said about prefix caching, from its own counters.
     runs = json.loads((out / "manifest.json").read_text())["runs"]
@@ -84,10 +140,19 @@ def test_make_evaluate_against_the_real_server(
     for record in runs:
         evidence = record["prefix_caching"]
         assert evidence["prompt_tokens"] >= evidence["prompt_tokens_sent"] > 0
-        assert (evidence["queries"] > 0) == caching, evidence
+        assert (evidence["queries"] > 0) == caching(layout), evidence
 
-    assert bench.main(["--results", str(tmp_path / "bench"), "report"]) == 0
-    report = capsys.readouterr().out
+    assert report_code == 0
+    # The report's figures are the client's, as it wrote them.
+    for name, point, saved in (
+        ("prefill", PREFILL, prefill),
+        ("decode", DECODE, decode),
+    ):
+        section = report.split(f"### {name} sweep")[1].split("\n### ")[0]
+        for metric in bench.SWEEPS[name].metrics:
+            row = point_row(section, bench.METRICS[metric][0], point)
+            assert bench.fmt(metric, saved[metric]) in row, (name, metric, row)
+    assert (results / "bench" / "decode.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with capsys.disabled():
         print(
             f"\n{layout}, {LAYOUTS[layout].frontend} frontend, arm {arm}: GSM8K "

@@ -7,14 +7,11 @@ settings; and a start-up the stages' agreement refuses."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serving.conftest import LAYOUTS, REFERENCE, SP, free_port
-from tests.serving.server import Server
-from tests.serving.worker import STAGE1_MOE_BACKEND
+from tests.serving.conftest import LAYOUTS, REFERENCE, REFUSED
 
 # Prompt lengths 1 (< TP), 3 and 11 (not divisible by TP), 44; every decode
 # step of a lone request dispatches a single token.
@@ -22,7 +19,7 @@ ALONE = ["a", "abc", "Hello world", "The quick brown fox jumps over the lazy dog
 # Sent at once: the scheduler mixes prefills with decodes of the others.
 TOGETHER = ["x" * 5, "Question: 2 + 3 = ?", "q", "0123456789" * 3, "Mixed batch."]
 MAX_TOKENS = 8
-COMPARED = [name for name in LAYOUTS if name != REFERENCE]
+COMPARED = [name for name, layout in LAYOUTS.items() if layout.arm]
 
 
 def each(layouts: list[str]) -> list:
@@ -95,24 +92,15 @@ def test_chat_answer_is_the_rendered_prompts_completion(servers, completions):
     assert {p: server.complete(p + "\n", MAX_TOKENS) for p in ALONE} == chat
 
 
-def test_stage_disagreement_fails_vllm_serve_at_start_up(model_dir, tmp_path):
+@pytest.mark.layouts(REFUSED)
+def test_stage_disagreement_fails_vllm_serve_at_start_up(servers):
     """Stage 1 builds its model with another MoE backend, as a node started
     with other flags would: the agreement refuses before any hand-off, and
     ``vllm serve`` exits with the message in its log."""
-    server = Server(
-        model_dir,
-        free_port(),
-        LAYOUTS[SP].args,
-        env={STAGE1_MOE_BACKEND: "triton"},
-        log=tmp_path / "refused.log",
-    )
-    started = time.monotonic()
-    try:
-        with pytest.raises(RuntimeError, match="vllm serve exited") as failure:
-            server.wait_ready(timeout=300)
-    finally:
-        server.stop()
-    elapsed = time.monotonic() - started
+    server = servers.start(REFUSED)
+    with pytest.raises(RuntimeError, match="vllm serve exited") as failure:
+        server.wait_ready(timeout=300)
+    elapsed = server.exited - server.started
     log = server.log.read_text()
     refusal = [line for line in log.splitlines() if "Pipeline stages disagree" in line]
     print(
@@ -120,5 +108,6 @@ def test_stage_disagreement_fails_vllm_serve_at_start_up(model_dir, tmp_path):
         + refusal[0][:1200]
     )
     assert server.process.returncode != 0
+    assert elapsed < 180  # a refusal, not gloo's 30-minute wait
     assert "sequence_parallel: stage 0=True, stage 1=False" in refusal[0]
     assert "Pipeline stages disagree" in str(failure.value)

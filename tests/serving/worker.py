@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from tests.sppp_testbed import tiny_k3
+from vllm.config import replace
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
@@ -137,9 +138,13 @@ class StandInModelRunner:
         if backend and pp.rank_in_group == 1:
             self.vllm_config.kernel_config.moe_backend = backend
         config = tiny_k3.scenario_config(1, 1, sp=False)
-        # The served options (parallel sizes, EP, MoE backend), the tiny model.
+        # The served options (parallel sizes, EP, MoE backend, compilation
+        # mode: --enforce-eager compiles nothing), the tiny model.
         object.__setattr__(config, "parallel_config", self.vllm_config.parallel_config)
         object.__setattr__(config, "kernel_config", self.vllm_config.kernel_config)
+        served_mode = self.vllm_config.compilation_config.mode
+        compilation = replace(config.compilation_config, mode=served_mode)
+        object.__setattr__(config, "compilation_config", compilation)
         self.stack.enter_context(tiny_k3.stand_ins())
         for name in (
             "KimiK3DeltaAttention",
