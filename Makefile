@@ -1,9 +1,10 @@
 # k3-sppp: Kimi K3 sequence parallelism across pipeline stages, on vLLM.
 #
 #   make apply          pinned vLLM into .venv (if absent), verify, apply
-#   make test           unit, distributed (CPU, gloo) and tooling tests
-#   make test-serving   the tests that run the series inside real `vllm
-#                       serve` servers on CPU ranks (minutes; not in make test)
+#   make test           unit, distributed (CPU, gloo), `vllm serve` (CPU
+#                       ranks), evaluation and tooling tests
+#   make test-serving   only the tests that run the series inside real
+#                       `vllm serve` servers on CPU ranks
 #   make revert         byte-identical original vLLM again (FORCE=1: also
 #                       files edited since apply, each kept as
 #                       *.k3-sppp-drift[.N], never overwritten)
@@ -71,6 +72,7 @@ STAMP := $(VENV)/.k3-sppp-setup
 TARGET := $(if $(VLLM),--target="$$VLLM")
 APPLY := python3 apply.py
 PYTEST_ARGS ?=
+TEST_PATHS ?=
 
 .PHONY: help setup apply revert status check test lint manifest pr-diff rebase comm-report \
 	nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report gpu-bundle mutate test-serving
@@ -154,16 +156,12 @@ test: setup
 		echo "make test: .venv has another revision of the patch set; replacing it"; \
 		$(APPLY) revert; fi
 	$(APPLY) apply
-	$(call pytest_in_own_tmpdir,--ignore=$(SERVING_TESTS) $(PYTEST_ARGS))
+	$(call pytest_in_own_tmpdir,$(TEST_PATHS) $(PYTEST_ARGS))
 
-# Real `vllm serve` servers on CPU ranks (three layouts, both frontends,
-# parity, make evaluate against two of them, a refused start): 10 to 15
-# minutes on 2 cores (docs/testing.md), so apart from `make test`; .ci/run
-# runs both.
-SERVING_TESTS := tests/serving
-test-serving: setup
-	$(APPLY) apply
-	$(call pytest_in_own_tmpdir,$(SERVING_TESTS) $(PYTEST_ARGS))
+# Only the tests that run the series inside real `vllm serve` servers on CPU
+# ranks (tests/serving; part of make test).
+test-serving: TEST_PATHS := tests/serving
+test-serving: test
 
 lint: setup
 	$(VPY) -m ruff check .

@@ -466,32 +466,6 @@ def tiny_tokenizer(directory: Path) -> Path:
     return directory
 
 
-def test_real_vllm_bench_serve_result_feeds_the_report(tmp_path, capsys):
-    tokenizer = tiny_tokenizer(tmp_path / "tokenizer")
-    results = tmp_path / "results"
-    with serving("Kimi-K3") as url:
-        proc = subprocess.run(
-            [sys.executable, "-m", "eval.bench", "--results", str(results), "run",
-             "--arm", "fi-ep", "--base-url", url, "--served-model-name", "Kimi-K3",
-             "--tokenizer", str(tokenizer), "--points", "128x1"],
-            cwd=bench.PROJECT_DIR,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu"},
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    saved = json.loads((results / "fi-ep" / "in128-c1.json").read_text())
-    assert sorted(saved) == sorted(RESULT_KEYS)
-    assert (saved["completed"], saved["failed"]) == (3, 0)
-    assert saved["total_input_tokens"] == 3 * 128
-    assert bench.main(["--results", str(results), "report"]) == 0
-    rows = markdown_rows(capsys.readouterr().out, "Total token throughput")
-    assert rows[1][:2] == ["128", "1"]
-    assert rows[1][3] == f"{saved['total_token_throughput']:,.0f}"
-    assert rows[1][2] == rows[1][4] == "missing"
-
-
 # -- the decode and mixed sweeps -----------------------------------------
 
 DECODE_AND_MIXED = bench.SWEEPS["decode"].points + bench.SWEEPS["mixed"].points

@@ -10,6 +10,7 @@ import socket
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -74,11 +75,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory: pytest.TempPathFactory):
-    return write_model_dir(tmp_path_factory.mktemp("tiny-k3"))
-
-
 class Servers:
     """The session's servers by layout name, started on first use."""
 
@@ -130,12 +126,13 @@ def wanted_layouts(items: list[pytest.Item]) -> list[str]:
     return [name for name in LAYOUTS if name in names]
 
 
-@pytest.fixture(scope="session")
-def servers(request, model_dir, tmp_path_factory) -> Iterator[Servers]:
+@pytest.fixture(scope="package")
+def servers(request, tmp_path_factory) -> Iterator[Servers]:
+    """Started on first use; stopped after the package's last test, so that
+    no idle server holds memory while the rest of ``make test`` runs."""
+    root = tmp_path_factory.mktemp("serving")
     pool = Servers(
-        model_dir,
-        tmp_path_factory.mktemp("serve-logs"),
-        wanted_layouts(request.session.items),
+        write_model_dir(root / "tiny-k3"), root, wanted_layouts(request.session.items)
     )
     started = time.monotonic()
     try:
@@ -147,3 +144,8 @@ def servers(request, model_dir, tmp_path_factory) -> Iterator[Servers]:
             + ", ".join(f"{n} {t:.0f}" for n, t in pool.startup.items())
             + f"; servers up for {time.monotonic() - started:.0f} s"
         )
+
+
+@pytest.fixture(scope="package")
+def model_dir(servers: Servers) -> Path:
+    return servers.model_dir

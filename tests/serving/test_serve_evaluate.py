@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from eval import bench, evaluate, gsm8k
+from tests.eval.test_bench import RESULT_KEYS
 from tests.serving.conftest import LAYOUTS, REPLICATED, SP
 
 GSM8K_DATA = Path(__file__).resolve().parents[1] / "eval" / "data" / "gsm8k"
@@ -124,6 +125,8 @@ def test_make_evaluate_against_the_real_server(evaluations, capsys, layout):
     prefill = json.loads((out / PREFILL.filename).read_text())
     decode = json.loads((out / DECODE.filename).read_text())
     assert (prefill["completed"], prefill["failed"]) == (PREFILL.num_prompts, 0)
+    # The stand-in client of tests/eval writes what the real one writes.
+    assert sorted(prefill) == sorted(RESULT_KEYS)
     # The client's prompts through the chat template, which adds one "\n".
     sent = PREFILL.num_prompts * (PREFILL.input_len + 1)
     assert prefill["total_input_tokens"] == sent

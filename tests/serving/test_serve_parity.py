@@ -30,7 +30,7 @@ def each(layouts: list[str]) -> list:
     ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def completions(servers):
     """Each layout's completions and chat answers, asked once per session."""
     found: dict[str, dict[str, dict[str, str]]] = {}
