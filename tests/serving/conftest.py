@@ -1,5 +1,5 @@
 # SPDX-License-Identifier: Apache-2.0
-"""Servers shared by every serving test of a session: start-ups are the time
+"""Servers shared by every serving test of a run: start-ups are the time
 cost, so each layout starts once, all that the selected tests name at once,
 and serves parity, chat, GSM8K and the bench sweeps."""
 
@@ -76,7 +76,7 @@ def free_port() -> int:
 
 
 class Servers:
-    """The session's servers by layout name, started on first use."""
+    """The servers of `tests/serving` by layout name, started on first use."""
 
     def __init__(self, model_dir, logs, wanted: list[str]) -> None:
         self.model_dir, self.logs, self.wanted = model_dir, logs, wanted
