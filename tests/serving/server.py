@@ -137,12 +137,18 @@ class Server:
                 start_new_session=True,
             )
         # When it exits, however late it is asked.
-        self.exited: float | None = None
-        threading.Thread(target=self._watch, daemon=True).start()
+        self._exited: float | None = None
+        self._watcher = threading.Thread(target=self._watch, daemon=True)
+        self._watcher.start()
 
     def _watch(self) -> None:
         self.process.wait()
-        self.exited = time.monotonic()
+        self._exited = time.monotonic()
+
+    def seconds_to_exit(self) -> float:
+        """Seconds from start to the process's exit, waiting for it."""
+        self._watcher.join()
+        return self._exited - self.started
 
     def wait_ready(self, timeout: float = 420) -> float:
         """Seconds from start to the first healthy answer; the log's tail if

@@ -3,7 +3,8 @@
 GSM8K through lm-eval, then the prefill and decode sweeps through the real
 ``vllm bench serve`` client, each step through the code the Makefile runs
 (eval/evaluate.py -> eval/gsm8k.py, eval/bench.py). Only the sweeps' point
-tables are made tiny; everything else is what a cluster run does."""
+tables and GSM8K's answer length are made tiny; everything else is what a
+cluster run does."""
 
 from __future__ import annotations
 

@@ -32,7 +32,7 @@ def each(layouts: list[str]) -> list:
 
 @pytest.fixture(scope="package")
 def completions(servers):
-    """Each layout's completions and chat answers, asked once per session."""
+    """Each layout's completions and chat answers, asked once per run."""
     found: dict[str, dict[str, dict[str, str]]] = {}
 
     def of(name: str) -> dict[str, dict[str, str]]:
@@ -100,7 +100,7 @@ def test_stage_disagreement_fails_vllm_serve_at_start_up(servers):
     server = servers.start(REFUSED)
     with pytest.raises(RuntimeError, match="vllm serve exited") as failure:
         server.wait_ready(timeout=300)
-    elapsed = server.exited - server.started
+    elapsed = server.seconds_to_exit()
     log = server.log.read_text()
     refusal = [line for line in log.splitlines() if "Pipeline stages disagree" in line]
     print(
