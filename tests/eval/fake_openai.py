@@ -2,11 +2,10 @@
 """A small OpenAI-compatible HTTP server of the tests' own, on 127.0.0.1.
 
 It answers ``GET /v1/models``, ``GET /version``, ``GET /metrics`` (the
-prefix-cache counters as either of vLLM's frontends exports them),
-``POST /v1/completions`` with whatever ``complete(prompt)`` returns, and
-streaming ``POST /v1/chat/completions`` with ``max_completion_tokens`` tokens
-(one if unset), one every ``itl_s`` seconds, so the tools run end to end
-against a real socket without a GPU or the network.
+prefix-cache counters as either of vLLM's frontends exports them) and
+``POST /v1/completions`` with whatever ``complete(prompt)`` returns, so the
+tools' server checks and lm-eval run against a real socket without a GPU or
+the network. The tests of tests/serving meet real ``vllm serve`` servers.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -28,7 +26,6 @@ def serving(
     model: str,
     complete: Callable[[str], str] = lambda prompt: "",
     prefix_caching: bool | None = False,
-    itl_s: float = 0.0,
     frontend: str = "python",
 ) -> Iterator[str]:
     """Serve until the block ends; yields the base URL.
@@ -39,7 +36,6 @@ def serving(
     a server that does not report them. ``frontend`` "python" adds
     ``cache_config_info``, which the Rust frontend ("rust") does not export.
     """
-    requests: list[dict] = []
     counted = {"queries": 0, "hits": 0, "prompt_tokens": 0}
     seen: set[str] = set()
 
@@ -102,28 +98,8 @@ def serving(
             else:
                 self.reply(404, {"error": self.path})
 
-        def stream_tokens(self, tokens: int) -> None:
-            """Server-sent events: a content chunk per token, usage, [DONE]."""
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            token = {"choices": [{"index": 0, "delta": {"content": "x"}}]}
-            for i in range(tokens):
-                if i:
-                    time.sleep(itl_s)
-                self.wfile.write(f"data: {json.dumps(token)}\n\n".encode())
-                self.wfile.flush()
-            usage = {"choices": [], "usage": {"completion_tokens": tokens}}
-            self.wfile.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
-            self.close_connection = True
-
         def do_POST(self) -> None:
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            requests.append(body)
-            if self.path == "/v1/chat/completions" and body.get("model") == model:
-                self.stream_tokens(body.get("max_completion_tokens") or 1)
-                return
             if self.path != "/v1/completions" or body.get("model") != model:
                 self.reply(404, {"error": f"{self.path} {body.get('model')}"})
                 return
@@ -149,12 +125,7 @@ def serving(
                 },
             )
 
-    class Server(ThreadingHTTPServer):
-        # A decode point opens up to 128 connections at once; the default
-        # backlog of 5 resets some of them.
-        request_queue_size = 256
-
-    server = Server(("127.0.0.1", 0), Handler)
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:

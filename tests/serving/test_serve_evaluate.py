@@ -3,8 +3,9 @@
 GSM8K through lm-eval, then the prefill and decode sweeps through the real
 ``vllm bench serve`` client, each step through the code the Makefile runs
 (eval/evaluate.py -> eval/gsm8k.py, eval/bench.py). Only the sweeps' point
-tables and GSM8K's answer length are made tiny; everything else is what a
-cluster run does."""
+tables and GSM8K's answer length are made tiny, and the client's imports are
+done once for all its runs (tests/serving/preloaded_client.py); everything
+else is what a cluster run does."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -19,6 +21,7 @@ import pytest
 
 from eval import bench, evaluate, gsm8k
 from tests.eval.test_bench import RESULT_KEYS
+from tests.serving import preloaded_client
 from tests.serving.conftest import LAYOUTS, REPLICATED, SP
 
 GSM8K_DATA = Path(__file__).resolve().parents[1] / "eval" / "data" / "gsm8k"
@@ -74,8 +77,15 @@ def evaluations(servers, model_dir, tmp_path_factory):
     GSM8K answers cut to MAX_GEN_TOKS: per layout, its results directory and
     the run's exit code (or what it raised), the report's and what it printed."""
     results = {name: tmp_path_factory.mktemp("evaluate") for name in EVALUATED}
-    urls = {name: servers[name].url for name in EVALUATED}
-    with pytest.MonkeyPatch.context() as patch:
+    client = tmp_path_factory.mktemp("client")
+    with (
+        preloaded_client.command(client, dict(os.environ)) as vllm_cli,
+        pytest.MonkeyPatch.context() as patch,
+    ):
+        urls = {name: servers[name].url for name in EVALUATED}
+        # Each sweep's client is vLLM's CLI, imported once (preloaded_client).
+        bench_main, cli = bench.main, ["--vllm", str(vllm_cli)]
+        patch.setattr(bench, "main", lambda argv: bench_main([*argv, *cli]))
         for name, point in (("prefill", PREFILL), ("decode", DECODE)):
             sweep = dataclasses.replace(bench.SWEEPS[name], points=(point,))
             patch.setitem(bench.SWEEPS, name, sweep)
@@ -95,7 +105,7 @@ def evaluations(servers, model_dir, tmp_path_factory):
         reports = {}
         for name in EVALUATED:
             with contextlib.redirect_stdout(io.StringIO()) as out:
-                code = bench.main(["--results", str(results[name] / "bench"), "report"])
+                code = bench_main(["--results", str(results[name] / "bench"), "report"])
             reports[name] = code, out.getvalue()
     return {name: (results[name], runs[name], reports[name]) for name in EVALUATED}
 
@@ -137,6 +147,13 @@ def test_make_evaluate_against_the_real_server(evaluations, capsys, layout):
     assert set(bench.DECODE_METRICS) <= decode.keys()
     assert decode["mean_tpot_ms"] > 0 and decode["mean_itl_ms"] > 0
     assert len(decode["latencies"]) == DECODE.num_prompts
+    # TPOT is each request's time after its first token over the tokens that
+    # followed: the client timed the server's real decode steps.
+    mean_e2el_ms = 1000 * sum(decode["latencies"]) / DECODE.num_prompts
+    assert decode["mean_e2el_ms"] == pytest.approx(mean_e2el_ms)
+    assert decode["mean_tpot_ms"] * (DECODE.output_len - 1) == pytest.approx(
+        decode["mean_e2el_ms"] - decode["mean_ttft_ms"]
+    )
 
     # What the server said about prefix caching, from its own counters.
     runs = json.loads((out / "manifest.json").read_text())["runs"]

@@ -1,0 +1,151 @@
+# SPDX-License-Identifier: Apache-2.0
+"""``vllm bench serve`` with vLLM's CLI imported once for every run.
+
+Each run of the real client spends about 13 s of CPU importing vLLM before it
+sends a request, and the serving tests run it four times while the servers
+compete for the same two cores. Here one process imports the CLI once; each
+run is a fork of it that executes vLLM's own ``vllm`` entry point
+(``vllm.entrypoints.cli.main.main``) with the caller's arguments, working
+directory, environment and standard streams, and answers with its exit code.
+The client's code is unchanged: only its imports happened earlier.
+
+``python -m tests.serving.preloaded_client SOCKET`` serves; :func:`command`
+writes the executable that a sweep runs in place of ``vllm``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The executable a sweep runs as ``vllm``: argv, cwd, environment and the
+# three standard streams go to the preloaded process (waiting while it
+# imports); its exit code comes back.
+CALLER = """\
+import json, os, socket, struct, sys, time
+request = json.dumps({{"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ)}})
+with socket.socket(socket.AF_UNIX) as conn:
+    deadline = time.monotonic() + {wait_s}
+    while True:
+        try:
+            conn.connect({socket!r})
+            break
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                sys.exit("no preloaded vllm CLI at " + {socket!r} + "; see " + {log!r})
+            time.sleep(0.2)
+    data = request.encode()
+    socket.send_fds(conn, [struct.pack("!I", len(data)) + data], [0, 1, 2])
+    answer = conn.recv(4)
+sys.exit(struct.unpack("!i", answer)[0] if len(answer) == 4 else 70)
+"""
+
+
+def recv_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            raise EOFError("the caller hung up")
+        data += chunk
+    return data
+
+
+def run_client(conn: socket.socket) -> int:
+    """In the fork: take the caller's request and streams, run vLLM's CLI."""
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    request = json.loads(recv_exactly(conn, struct.unpack("!I", head)[0]))
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = request["argv"]
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    from vllm.entrypoints.cli.main import main
+
+    try:
+        main()
+    except SystemExit as done:
+        code = done.code
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            return 1 if code is not None else 0
+        return code
+    return 0
+
+
+def serve(path: str) -> None:
+    # What `vllm bench serve` imports before it parses its arguments.
+    import vllm.entrypoints.cli.benchmark.main
+    import vllm.entrypoints.cli.main
+    import vllm.entrypoints.cli.serve  # noqa: F401
+
+    vllm.entrypoints.cli.benchmark.main._import_bench_subcommand_modules()
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forks reap themselves
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(path + ".tmp")
+        listener.listen()
+        os.rename(path + ".tmp", path)  # callers connect once it listens
+        while True:
+            conn, _ = listener.accept()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if os.fork() == 0:
+                listener.close()
+                try:
+                    code = run_client(conn)
+                except BaseException:
+                    traceback.print_exc()
+                    code = 1
+                sys.stdout.flush()
+                sys.stderr.flush()
+                conn.sendall(struct.pack("!i", code))
+                os._exit(code & 0xFF)
+            conn.close()
+
+
+@contextmanager
+def command(directory: Path, env: dict[str, str], wait_s: int = 300) -> Iterator[Path]:
+    """An executable ``directory/vllm`` that runs vLLM's CLI in forks of one
+    preloaded process, started here (its imports overlap what the caller
+    does next) and stopped when the block ends."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "client.sock"
+    log = directory / "preloaded-client.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "tests.serving.preloaded_client", str(path)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=ROOT,
+            start_new_session=True,
+        )
+    executable = directory / "vllm"
+    executable.write_text(
+        f"#!{sys.executable}\n"
+        + CALLER.format(socket=str(path), log=str(log), wait_s=wait_s)
+    )
+    executable.chmod(0o755)
+    try:
+        yield executable
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(30)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
