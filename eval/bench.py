@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import subprocess
 import sys
@@ -56,6 +57,12 @@ from eval.provenance import provenance
 
 PROJECT_DIR = Path(__file__).resolve().parent.parent
 RESULTS_DIR = PROJECT_DIR / "results" / "bench"
+# `vllm bench serve` hands itself to vLLM's Rust client (vllm-rs) when
+# VLLM_USE_RUST_BENCH=1. That client saves no per-request latencies (the
+# verdict's wave spread) and counts its prompts' tokens otherwise, so its
+# figures are not the Python client's: every arm is measured by the Python
+# client, the one the pull request measured with.
+CLIENT_ENV = {"VLLM_USE_RUST_BENCH": "0"}
 WAVES = 3  # measured waves per point
 
 
@@ -280,6 +287,7 @@ def write_manifest(
             "prefix_caching": args.prefix_caching,
             "points": [str(p) for p in points],
             "repeat": args.repeat,
+            "client_env": CLIENT_ENV,
             **provenance(args.target),
         }
     )
@@ -342,7 +350,7 @@ def run_point(
     command = bench_command(
         point, args.base_url, args.served_model_name, args.tokenizer, out, run
     )
-    proc = subprocess.run([args.vllm, *command[1:]])
+    proc = subprocess.run([args.vllm, *command[1:]], env={**os.environ, **CLIENT_ENV})
     if proc.returncode != 0 or not finished(path, point):
         if path.exists():
             path.rename(path.with_suffix(".failed.json"))
@@ -387,6 +395,15 @@ def run(args: argparse.Namespace) -> int:
             f"{args.prefix_caching['observed']}. Repeated points would read "
             "cached prefill. Serve with --no-enable-prefix-caching, as the arms "
             "do, or set ALLOW_PREFIX_CACHING=1 if you know better"
+        )
+    if os.environ.get("VLLM_USE_RUST_BENCH", "0") != "0":
+        print(
+            "bench: VLLM_USE_RUST_BENCH is set; the sweep measures with vLLM's "
+            "Python client all the same (VLLM_USE_RUST_BENCH=0 for each point): "
+            "the Rust client saves no per-request latencies and counts prompt "
+            "tokens otherwise, so its figures would not compare",
+            file=sys.stderr,
+            flush=True,
         )
     out = args.results / arm.name
     out.mkdir(parents=True, exist_ok=True)

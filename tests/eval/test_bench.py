@@ -241,6 +241,9 @@ def fake_vllm(
         "p = Point(n('--random-input-len'), n('--max-concurrency'), "
         "n('--random-output-len'))\n"
         f"open({str(log)!r}, 'a').write(str(p) + '\\n')\n"
+        "import os\n"
+        f"open({str(tmp_path / 'client-env.log')!r}, 'a')"
+        ".write(os.environ.get('VLLM_USE_RUST_BENCH', '-') + '\\n')\n"
         f"failed = int(str(p) == {fail!r})\n"
         "r = result_file(p, 1000.0 + p.concurrency, 100.0)\n"
         "if p.output_len > 1:\n"
@@ -368,6 +371,27 @@ def test_prefix_caching_probe_that_the_counters_miss_is_not_an_answer(
     assert evidence["observed"] == (
         "vllm:prompt_tokens counted 720 of the 722 prompt tokens sent in 0.5 s"
     )
+
+
+@pytest.mark.parametrize("rust_bench", [None, "1"])
+def test_every_point_is_measured_by_the_python_client(
+    tmp_path, monkeypatch, rust_bench
+):
+    """`vllm bench serve` would hand itself to vLLM's Rust client, whose
+    results lack the per-request latencies, where VLLM_USE_RUST_BENCH=1."""
+    if rust_bench:
+        monkeypatch.setenv("VLLM_USE_RUST_BENCH", rust_bench)
+    else:
+        monkeypatch.delenv("VLLM_USE_RUST_BENCH", raising=False)
+    results = tmp_path / "results"
+    with serving("Kimi-K3") as url:
+        proc = sweep(results, url, fake_vllm(tmp_path), points="128x1,128x8")
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "client-env.log").read_text().split() == ["0", "0"]
+    note = "VLLM_USE_RUST_BENCH is set; the sweep measures with vLLM's Python client"
+    assert (note in proc.stderr) == bool(rust_bench)
+    manifest = json.loads((results / "mega-sp" / "manifest.json").read_text())
+    assert manifest["runs"][0]["client_env"] == {"VLLM_USE_RUST_BENCH": "0"}
 
 
 def test_repeats_run_every_point_once_then_again_run_k_in_its_own_file(tmp_path):

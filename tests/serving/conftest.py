@@ -9,6 +9,7 @@ import contextlib
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -117,8 +118,10 @@ class Servers:
         return server
 
     def stop(self) -> None:
-        for server in self.started.values():
-            server.stop()
+        """All at once: each waits for its own processes to exit."""
+        if self.started:
+            with ThreadPoolExecutor(len(self.started)) as pool:
+                list(pool.map(Server.stop, self.started.values()))
 
 
 def wanted_layouts(items: list[pytest.Item]) -> list[str]:
