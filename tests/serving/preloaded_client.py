@@ -15,6 +15,7 @@ writes the executable that a sweep runs in place of ``vllm``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -22,7 +23,9 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import traceback
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # The executable a sweep runs as ``vllm``: argv, cwd, environment and the
 # three standard streams go to the preloaded process (waiting while it
-# imports); its exit code comes back.
+# imports, unless it has exited); its exit code comes back.
 CALLER = """\
 import json, os, socket, struct, sys, time
 request = json.dumps({{"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ)}})
@@ -39,11 +42,11 @@ with socket.socket(socket.AF_UNIX) as conn:
     deadline = time.monotonic() + {wait_s}
     while True:
         try:
-            conn.connect({socket!r})
+            conn.connect("\\0" + {name!r})
             break
-        except (FileNotFoundError, ConnectionRefusedError):
-            if time.monotonic() > deadline:
-                sys.exit("no preloaded vllm CLI at " + {socket!r} + "; see " + {log!r})
+        except ConnectionRefusedError:
+            if os.path.exists({exited!r}) or time.monotonic() > deadline:
+                sys.exit("the preloaded vllm CLI is not listening; see " + {log!r})
             time.sleep(0.2)
     data = request.encode()
     socket.send_fds(conn, [struct.pack("!I", len(data)) + data], [0, 1, 2])
@@ -87,7 +90,7 @@ def run_client(conn: socket.socket) -> int:
     return 0
 
 
-def serve(path: str) -> None:
+def serve(name: str) -> None:
     # What `vllm bench serve` imports before it parses its arguments.
     import vllm.entrypoints.cli.benchmark.main
     import vllm.entrypoints.cli.main
@@ -96,9 +99,9 @@ def serve(path: str) -> None:
     vllm.entrypoints.cli.benchmark.main._import_bench_subcommand_modules()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forks reap themselves
     with socket.socket(socket.AF_UNIX) as listener:
-        listener.bind(path + ".tmp")
+        # An abstract address: no file, and no limit from the path's length.
+        listener.bind("\0" + name)
         listener.listen()
-        os.rename(path + ".tmp", path)  # callers connect once it listens
         while True:
             conn, _ = listener.accept()
             sys.stdout.flush()
@@ -123,27 +126,32 @@ def command(directory: Path, env: dict[str, str], wait_s: int = 300) -> Iterator
     preloaded process, started here (its imports overlap what the caller
     does next) and stopped when the block ends."""
     directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "client.sock"
+    name = f"k3-sppp-cli-{uuid.uuid4().hex[:12]}"
     log = directory / "preloaded-client.log"
+    exited = directory / "preloaded-client.exited"
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.serving.preloaded_client", str(path)],
+            [sys.executable, "-m", "tests.serving.preloaded_client", name],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
             cwd=ROOT,
             start_new_session=True,
         )
+
+    def watch() -> None:  # a caller stops waiting once this file exists
+        exited.write_text(f"{process.wait()}\n")
+
+    threading.Thread(target=watch, daemon=True).start()
     executable = directory / "vllm"
-    executable.write_text(
-        f"#!{sys.executable}\n"
-        + CALLER.format(socket=str(path), log=str(log), wait_s=wait_s)
-    )
+    caller = CALLER.format(name=name, exited=str(exited), log=str(log), wait_s=wait_s)
+    executable.write_text(f"#!{sys.executable}\n{caller}")
     executable.chmod(0o755)
     try:
         yield executable
     finally:
-        os.killpg(process.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # it may have exited
+            os.killpg(process.pid, signal.SIGTERM)
         process.wait(30)
 
 
