@@ -8,7 +8,6 @@ tests/serving/test_serve_evaluate.py."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import stat
 import subprocess
@@ -804,15 +803,13 @@ def decode_sweep(tmp_path_factory):
     client a stand-in: (results, what it printed)."""
     tmp = tmp_path_factory.mktemp("decode")
     results = tmp / "results"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     with serving("Kimi-K3") as url:
         run = subprocess.run(
             [sys.executable, "-m", "eval.bench", "--results", str(results), "run",
              "--arm", "fi-ep", "--base-url", url, "--served-model-name", "Kimi-K3",
              "--tokenizer", "/models/Kimi-K3", "--vllm", str(fake_vllm(tmp)),
              "--sweep", "decode", "--points", "1024x1,1024x8"],
-            cwd=bench.PROJECT_DIR, env=env, capture_output=True, text=True,
-            timeout=120,
+            cwd=bench.PROJECT_DIR, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     return results, run.stdout

@@ -9,8 +9,17 @@ run is a fork of it that executes vLLM's own ``vllm`` entry point
 directory, environment and standard streams, and answers with its exit code.
 The client's code is unchanged: only its imports happened earlier.
 
-``python -m tests.serving.preloaded_client SOCKET`` serves; :func:`command`
-writes the executable that a sweep runs in place of ``vllm``.
+Two differences follow from that. What a module reads from the environment
+as it is imported (huggingface_hub's and datasets' offline flags, vLLM's
+logging set-up) comes from the preloaded process's environment, so
+:func:`command` is given the environment the runs will have. And a client
+that replaces itself (``vllm bench serve`` execs ``vllm-rs`` where
+``VLLM_USE_RUST_BENCH=1``; the sweeps pin it to 0) closes the answer's
+socket: its caller exits 70.
+
+``python -m tests.serving.preloaded_client NAME`` serves on the abstract
+socket NAME; :func:`command` writes the executable that a sweep runs in
+place of ``vllm``.
 """
 
 from __future__ import annotations
@@ -82,19 +91,26 @@ def run_client(conn: socket.socket) -> int:
     try:
         main()
     except SystemExit as done:
-        code = done.code
-        if not isinstance(code, int):
-            print(code, file=sys.stderr)
-            return 1 if code is not None else 0
-        return code
+        if done.code is None or isinstance(done.code, int):
+            return done.code or 0
+        print(done.code, file=sys.stderr)  # as the interpreter would
+        return 1
     return 0
 
 
 def serve(name: str) -> None:
-    # What `vllm bench serve` imports before it parses its arguments.
+    # What `vllm.entrypoints.cli.main.main` imports before it parses the
+    # arguments, and the bench subcommands `vllm bench` then imports.
     import vllm.entrypoints.cli.benchmark.main
+    import vllm.entrypoints.cli.collect_env
+    import vllm.entrypoints.cli.download_kernels
+    import vllm.entrypoints.cli.launch
     import vllm.entrypoints.cli.main
-    import vllm.entrypoints.cli.serve  # noqa: F401
+    import vllm.entrypoints.cli.openai
+    import vllm.entrypoints.cli.preload
+    import vllm.entrypoints.cli.run_batch
+    import vllm.entrypoints.cli.serve
+    import vllm.entrypoints.cli.snapshot  # noqa: F401
 
     vllm.entrypoints.cli.benchmark.main._import_bench_subcommand_modules()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forks reap themselves
@@ -107,16 +123,19 @@ def serve(name: str) -> None:
             sys.stdout.flush()
             sys.stderr.flush()
             if os.fork() == 0:
-                listener.close()
+                code = 1
                 try:
+                    listener.close()
                     code = run_client(conn)
                 except BaseException:
                     traceback.print_exc()
-                    code = 1
-                sys.stdout.flush()
-                sys.stderr.flush()
-                conn.sendall(struct.pack("!i", code))
-                os._exit(code & 0xFF)
+                finally:
+                    # The fork never returns into this loop, whatever happened.
+                    with contextlib.suppress(BaseException):
+                        sys.stdout.flush()
+                        sys.stderr.flush()
+                        conn.sendall(struct.pack("!i", code))
+                    os._exit(code & 0xFF)
             conn.close()
 
 
@@ -129,6 +148,7 @@ def command(directory: Path, env: dict[str, str], wait_s: int = 300) -> Iterator
     name = f"k3-sppp-cli-{uuid.uuid4().hex[:12]}"
     log = directory / "preloaded-client.log"
     exited = directory / "preloaded-client.exited"
+    exited.unlink(missing_ok=True)
     with open(log, "wb") as out:
         process = subprocess.Popen(
             [sys.executable, "-m", "tests.serving.preloaded_client", name],
@@ -150,9 +170,12 @@ def command(directory: Path, env: dict[str, str], wait_s: int = 300) -> Iterator
     try:
         yield executable
     finally:
-        with contextlib.suppress(ProcessLookupError):  # it may have exited
-            os.killpg(process.pid, signal.SIGTERM)
-        process.wait(30)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError):  # it may have exited
+                os.killpg(process.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(30)
+                break
 
 
 if __name__ == "__main__":
