@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.serving.server import Server, write_model_dir
+from tests.serving import preloaded_vllm
+from tests.serving.server import OFFLINE, Server, serve_env, write_model_dir
 from tests.serving.worker import STAGE1_MOE_BACKEND
 
 TP2PP2 = ["-tp", "2", "-pp", "2", "--enable-expert-parallel"]
@@ -79,8 +80,9 @@ def free_port() -> int:
 class Servers:
     """The servers of `tests/serving` by layout name, started on first use."""
 
-    def __init__(self, model_dir, logs, wanted: list[str]) -> None:
-        self.model_dir, self.logs, self.wanted = model_dir, logs, wanted
+    def __init__(self, vllm: Path, model_dir, logs, wanted: list[str]) -> None:
+        self.vllm, self.model_dir, self.logs = vllm, model_dir, logs
+        self.wanted = wanted
         self.started: dict[str, Server] = {}
         self.startup: dict[str, float] = {}
 
@@ -101,6 +103,7 @@ class Servers:
                     layout.args,
                     env=env,
                     log=self.logs / log,
+                    vllm=self.vllm,
                 )
         return self.started[name]
 
@@ -131,22 +134,28 @@ def wanted_layouts(items: list[pytest.Item]) -> list[str]:
 
 @pytest.fixture(scope="package")
 def servers(request, tmp_path_factory) -> Iterator[Servers]:
-    """Started on first use; stopped after the package's last test, so that
-    no idle server holds memory while the rest of ``make test`` runs."""
+    """Started on first use, each a fork of one process that imported vLLM
+    (tests/serving/preloaded_vllm.py), which the bench client's runs use
+    too; stopped after the package's last test, so that no idle server holds
+    memory while the rest of ``make test`` runs."""
     root = tmp_path_factory.mktemp("serving")
-    pool = Servers(
-        write_model_dir(root / "tiny-k3"), root, wanted_layouts(request.session.items)
-    )
-    started = time.monotonic()
-    try:
-        yield pool
-    finally:
-        pool.stop()
-        print(
-            "\nserving start-ups (s): "
-            + ", ".join(f"{n} {t:.0f}" for n, t in pool.startup.items())
-            + f"; servers up for {time.monotonic() - started:.0f} s"
+    with preloaded_vllm.command(root / "vllm", {**serve_env(), **OFFLINE}) as vllm:
+        pool = Servers(
+            vllm,
+            write_model_dir(root / "tiny-k3"),
+            root,
+            wanted_layouts(request.session.items),
         )
+        started = time.monotonic()
+        try:
+            yield pool
+        finally:
+            pool.stop()
+            print(
+                "\nserving start-ups (s): "
+                + ", ".join(f"{n} {t:.0f}" for n, t in pool.startup.items())
+                + f"; servers up for {time.monotonic() - started:.0f} s"
+            )
 
 
 @pytest.fixture(scope="package")

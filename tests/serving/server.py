@@ -84,6 +84,10 @@ SERVE_ARGS = [
 ]  # fmt: skip
 
 
+# The tests download nothing: the model directory and GSM8K are local.
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
 def serve_env() -> dict[str, str]:
     """The environment of a test server: the CPU platform, this checkout on
     the path (for ``--worker-cls``) with the entry point of
@@ -99,7 +103,8 @@ def serve_env() -> dict[str, str]:
 
 
 class Server:
-    """One ``vllm serve`` process; its log in ``log``."""
+    """One ``vllm serve`` process; its log in ``log``. ``vllm`` is the command
+    run as ``vllm``: vLLM's own, or tests/serving/preloaded_vllm.py's."""
 
     def __init__(
         self,
@@ -108,11 +113,12 @@ class Server:
         args: list[str],
         env: dict[str, str] | None = None,
         log: Path | None = None,
+        vllm: Path = VLLM,
     ):
         self.url = f"http://127.0.0.1:{port}"
         self.log = log or model_dir / f"serve-{port}.log"
         self.command = [
-            str(VLLM),
+            str(vllm),
             "serve",
             str(model_dir),
             "--port",

@@ -4,8 +4,8 @@ GSM8K through lm-eval, then the prefill and decode sweeps through the real
 ``vllm bench serve`` client, each step through the code the Makefile runs
 (eval/evaluate.py -> eval/gsm8k.py, eval/bench.py). Only the sweeps' point
 tables and GSM8K's answer length are made tiny, and the client's imports are
-done once for all its runs (tests/serving/preloaded_client.py); everything
-else is what a cluster run does."""
+done once for all its runs and the servers' (tests/serving/preloaded_vllm.py);
+everything else is what a cluster run does."""
 
 from __future__ import annotations
 
@@ -13,9 +13,7 @@ import contextlib
 import dataclasses
 import io
 import json
-import os
 import subprocess
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
@@ -23,11 +21,10 @@ import pytest
 
 from eval import bench, evaluate, gsm8k
 from tests.eval.test_bench import RESULT_KEYS
-from tests.serving import preloaded_client
 from tests.serving.conftest import LAYOUTS, REPLICATED, SP
+from tests.serving.server import OFFLINE
 
 GSM8K_DATA = Path(__file__).resolve().parents[1] / "eval" / "data" / "gsm8k"
-OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 LIMIT = 2
 # The tiny model never writes GSM8K's stop sequences: every answer runs to
 # lm-eval's max_gen_toks, 512 decode steps through the ranks at the arms'.
@@ -74,15 +71,10 @@ def point_row(section: str, title: str, point: bench.Point) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def bench_cli(servers, tmp_path_factory) -> Iterator[Path]:
-    """``vllm`` for the sweeps: vLLM's CLI run in forks of one process that
-    imported it once (preloaded_client), importing while the servers start.
-    It is given the environment its runs have (what a module reads as it is
-    imported comes from there)."""
-    servers.start(EVALUATED[0])
-    client = tmp_path_factory.mktemp("client")
-    with preloaded_client.command(client, {**os.environ, **OFFLINE}) as cli:
-        yield cli
+def bench_cli(servers) -> Path:
+    """``vllm`` for the sweeps: vLLM's CLI run in forks of the process that
+    imported it once for the servers (tests/serving/preloaded_vllm.py)."""
+    return servers.vllm
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +143,7 @@ def test_make_evaluate_against_the_real_server(evaluations, capsys, layout):
     assert (prefill["completed"], prefill["failed"]) == (PREFILL.num_prompts, 0)
     # The stand-in client of tests/eval writes what the real (Python) one
     # writes (the Rust client, had it run, would have failed the step: it
-    # replaces the preloaded fork, see preloaded_client).
+    # replaces the preloaded fork, see preloaded_vllm).
     assert sorted(prefill) == sorted(RESULT_KEYS)
     # The client's prompts through the chat template, which adds one "\n".
     sent = PREFILL.num_prompts * (PREFILL.input_len + 1)

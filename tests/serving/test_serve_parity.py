@@ -111,3 +111,11 @@ def test_stage_disagreement_fails_vllm_serve_at_start_up(servers):
     assert elapsed < 180  # a refusal, not gloo's 30-minute wait
     assert "sequence_parallel: stage 0=True, stage 1=False" in refusal[0]
     assert "Pipeline stages disagree" in str(failure.value)
+
+
+@pytest.mark.parametrize("name", each(COMPARED))
+def test_each_layout_is_served_by_its_frontend(servers, name):
+    """The frontend is chosen at run time (``VLLM_USE_RUST_FRONTEND``), in a
+    fork of a process that imported vLLM without it."""
+    launched = "Launching Rust frontend" in servers[name].log.read_text()
+    assert launched == (LAYOUTS[name].frontend == "rust")

@@ -1,25 +1,32 @@
 # SPDX-License-Identifier: Apache-2.0
-"""``vllm bench serve`` with vLLM's CLI imported once for every run.
+"""``vllm serve`` and ``vllm bench serve`` with vLLM's CLI imported once.
 
-Each run of the real client spends about 13 s of CPU importing vLLM before it
-sends a request, and the serving tests run it four times while the servers
-compete for the same two cores. Here one process imports the CLI once; each
-run is a fork of it that executes vLLM's own ``vllm`` entry point
-(``vllm.entrypoints.cli.main.main``) with the caller's arguments, working
-directory, environment and standard streams, and answers with its exit code.
-The client's code is unchanged: only its imports happened earlier.
+Each ``vllm`` process spends 17 to 20 s of CPU importing vLLM before it does
+anything, and the serving tests start four servers and run the bench client
+four times on the same two cores. Here one process imports the CLI and the
+serving path once; each run is a fork of it that executes vLLM's own ``vllm``
+entry point (``vllm.entrypoints.cli.main.main``) with the caller's arguments,
+working directory, environment and standard streams, and answers with its
+exit code. vLLM's code is unchanged: only its imports happened earlier. The
+servers' EngineCore and workers are forked from there as on a GPU node
+(tests/serving/fork_processes.py).
 
-Two differences follow from that. What a module reads from the environment
-as it is imported (huggingface_hub's and datasets' offline flags, vLLM's
-logging set-up) comes from the preloaded process's environment, so
-:func:`command` is given the environment the runs will have. And a client
-that replaces itself (``vllm bench serve`` execs ``vllm-rs`` where
-``VLLM_USE_RUST_BENCH=1``; the sweeps pin it to 0) closes the answer's
-socket: its caller exits 70.
+Each fork leads a process group of its own, which holds the server's
+EngineCore and workers: a signal sent to the caller (``Server.stop`` sends
+SIGTERM to the caller's group) is passed on to that group, and the group is
+killed when the caller dies or the run ends, so no rank outlives its caller.
 
-``python -m tests.serving.preloaded_client NAME`` serves on the abstract
-socket NAME; :func:`command` writes the executable that a sweep runs in
-place of ``vllm``.
+Two differences follow from the preloading. What a module reads from the
+environment as it is imported (huggingface_hub's and datasets' offline
+flags, vLLM's logging set-up, the platform) comes from the preloaded
+process's environment, so :func:`command` is given the environment every run
+shares; what differs per run (``VLLM_USE_RUST_FRONTEND``, the worker's own
+variables) is read later and comes from the caller. And a run that replaces
+itself (``vllm bench serve`` execs ``vllm-rs`` where ``VLLM_USE_RUST_BENCH=1``;
+the sweeps pin it to 0) closes the answer's socket: its caller exits 70.
+
+``python -m tests.serving.preloaded_vllm NAME`` serves on the abstract socket
+NAME; :func:`command` writes the executable run in place of ``vllm``.
 """
 
 from __future__ import annotations
@@ -41,11 +48,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The executable a sweep runs as ``vllm``: argv, cwd, environment and the
-# three standard streams go to the preloaded process (waiting while it
-# imports, unless it has exited); its exit code comes back.
+# The executable run as ``vllm``: argv, cwd, environment and the three
+# standard streams go to the preloaded process (waiting while it imports,
+# unless it has exited); SIGTERM, SIGINT and SIGHUP go on to the run as one
+# byte each; its exit code comes back.
 CALLER = """\
-import json, os, socket, struct, sys, time
+import json, os, signal, socket, struct, sys, time
 request = json.dumps({{"argv": sys.argv, "cwd": os.getcwd(), "env": dict(os.environ)}})
 with socket.socket(socket.AF_UNIX) as conn:
     deadline = time.monotonic() + {wait_s}
@@ -57,9 +65,21 @@ with socket.socket(socket.AF_UNIX) as conn:
             if os.path.exists({exited!r}) or time.monotonic() > deadline:
                 sys.exit("the preloaded vllm CLI is not listening; see " + {log!r})
             time.sleep(0.2)
+    def pass_on(sig, frame):
+        try:
+            conn.send(bytes([sig]))
+        except OSError:
+            pass  # the run has ended: its answer, or EOF, follows
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, pass_on)
     data = request.encode()
     socket.send_fds(conn, [struct.pack("!I", len(data)) + data], [0, 1, 2])
-    answer = conn.recv(4)
+    answer = b""
+    while len(answer) < 4:
+        chunk = conn.recv(4 - len(answer))
+        if not chunk:
+            break
+        answer += chunk
 sys.exit(struct.unpack("!i", answer)[0] if len(answer) == 4 else 70)
 """
 
@@ -74,7 +94,16 @@ def recv_exactly(conn: socket.socket, size: int) -> bytes:
     return data
 
 
-def run_client(conn: socket.socket) -> int:
+def pass_on_signals(conn: socket.socket) -> None:
+    """In the fork, a thread: each byte the caller sends is a signal for this
+    run's process group; the caller gone, the group is killed."""
+    while signals := conn.recv(16):
+        for sig in signals:
+            os.killpg(0, sig)
+    os.killpg(0, signal.SIGKILL)
+
+
+def run_cli(conn: socket.socket) -> int:
     """In the fork: take the caller's request and streams, run vLLM's CLI."""
     head, fds, _, _ = socket.recv_fds(conn, 4, 3)
     request = json.loads(recv_exactly(conn, struct.unpack("!I", head)[0]))
@@ -86,6 +115,7 @@ def run_client(conn: socket.socket) -> int:
     os.environ.update(request["env"])
     sys.argv = request["argv"]
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    threading.Thread(target=pass_on_signals, args=(conn,), daemon=True).start()
     from vllm.entrypoints.cli.main import main
 
     try:
@@ -100,7 +130,8 @@ def run_client(conn: socket.socket) -> int:
 
 def serve(name: str) -> None:
     # What `vllm.entrypoints.cli.main.main` imports before it parses the
-    # arguments, and the bench subcommands `vllm bench` then imports.
+    # arguments, the bench subcommands `vllm bench` then imports, and the
+    # API server and engine that `vllm serve` imports.
     import vllm.entrypoints.cli.benchmark.main
     import vllm.entrypoints.cli.collect_env
     import vllm.entrypoints.cli.download_kernels
@@ -110,7 +141,10 @@ def serve(name: str) -> None:
     import vllm.entrypoints.cli.preload
     import vllm.entrypoints.cli.run_batch
     import vllm.entrypoints.cli.serve
-    import vllm.entrypoints.cli.snapshot  # noqa: F401
+    import vllm.entrypoints.cli.snapshot
+    import vllm.entrypoints.openai.api_server
+    import vllm.v1.engine.core
+    import vllm.v1.executor.multiproc_executor  # noqa: F401
 
     vllm.entrypoints.cli.benchmark.main._import_bench_subcommand_modules()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forks reap themselves
@@ -125,8 +159,9 @@ def serve(name: str) -> None:
             if os.fork() == 0:
                 code = 1
                 try:
+                    os.setsid()  # a process group for the run and its children
                     listener.close()
-                    code = run_client(conn)
+                    code = run_cli(conn)
                 except BaseException:
                     traceback.print_exc()
                 finally:
@@ -135,6 +170,10 @@ def serve(name: str) -> None:
                         sys.stdout.flush()
                         sys.stderr.flush()
                         conn.sendall(struct.pack("!i", code))
+                    # What the run started and left (a server's EngineCore
+                    # and workers, on a failed start-up) goes with it.
+                    with contextlib.suppress(BaseException):
+                        os.killpg(0, signal.SIGKILL)
                     os._exit(code & 0xFF)
             conn.close()
 
@@ -142,16 +181,16 @@ def serve(name: str) -> None:
 @contextmanager
 def command(directory: Path, env: dict[str, str], wait_s: int = 300) -> Iterator[Path]:
     """An executable ``directory/vllm`` that runs vLLM's CLI in forks of one
-    preloaded process, started here (its imports overlap what the caller
-    does next) and stopped when the block ends."""
+    preloaded process, started here with ``env`` (its imports overlap what
+    the caller does next) and stopped when the block ends."""
     directory.mkdir(parents=True, exist_ok=True)
     name = f"k3-sppp-cli-{uuid.uuid4().hex[:12]}"
-    log = directory / "preloaded-client.log"
-    exited = directory / "preloaded-client.exited"
+    log = directory / "preloaded-vllm.log"
+    exited = directory / "preloaded-vllm.exited"
     exited.unlink(missing_ok=True)
     with open(log, "wb") as out:
         process = subprocess.Popen(
-            [sys.executable, "-m", "tests.serving.preloaded_client", name],
+            [sys.executable, "-m", "tests.serving.preloaded_vllm", name],
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,
