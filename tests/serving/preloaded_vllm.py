@@ -65,6 +65,8 @@ with socket.socket(socket.AF_UNIX) as conn:
             if os.path.exists({exited!r}) or time.monotonic() > deadline:
                 sys.exit("the preloaded vllm CLI is not listening; see " + {log!r})
             time.sleep(0.2)
+    data = request.encode()
+    socket.send_fds(conn, [struct.pack("!I", len(data)) + data], [0, 1, 2])
     def pass_on(sig, frame):
         try:
             conn.send(bytes([sig]))
@@ -72,8 +74,6 @@ with socket.socket(socket.AF_UNIX) as conn:
             pass  # the run has ended: its answer, or EOF, follows
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, pass_on)
-    data = request.encode()
-    socket.send_fds(conn, [struct.pack("!I", len(data)) + data], [0, 1, 2])
     answer = b""
     while len(answer) < 4:
         chunk = conn.recv(4 - len(answer))
