@@ -2,7 +2,9 @@
 #
 #   make apply          pinned vLLM into .venv (if absent), verify, apply
 #   make test           unit, distributed (CPU, gloo), `vllm serve` (CPU
-#                       ranks), evaluation and tooling tests
+#                       ranks), evaluation and tooling tests: the `vllm
+#                       serve` ones first, the rest in [TEST_JOBS=2]
+#                       pytest-xdist workers [PYTEST_ARGS=] [TEST_PATHS=]
 #   make test-serving   only the tests that run the series inside real
 #                       `vllm serve` servers on CPU ranks
 #   make revert         byte-identical original vLLM again (FORCE=1: also
@@ -143,12 +145,30 @@ check:
 # failing one, so repeated runs do not fill a node's /tmp. Open to all, as
 # /tmp is: the tooling tests run apply.py as another user on trees in it.
 # pytest with a TMPDIR of its own: removed after a pass, kept and named after
-# a failure (the ranks' and servers' output is in it).
+# a failure (the ranks' and servers' output is in it). $(1) runs pytest as
+# `run_pytest ARGS` and leaves the exit code in rc.
 define pytest_in_own_tmpdir
 @tmp=$$(mktemp -d -t k3-sppp-test-XXXXXX) && chmod 755 "$$tmp"; \
-TMPDIR=$$tmp $(VPY) -m pytest $(1); rc=$$?; \
+run_pytest() { TMPDIR="$$tmp" $(VPY) -m pytest "$$@"; }; $(1); \
 if [ $$rc -eq 0 ]; then rm -rf "$$tmp"; \
 else echo "make $@: temporary files kept in $$tmp"; fi; exit $$rc
+endef
+
+# The whole suite in two steps. tests/serving first, alone: its servers' ranks
+# spin for a second after each step and take both cores from whatever runs
+# beside them. Then the rest in TEST_JOBS pytest-xdist workers, each test file
+# whole to one worker, so its module fixtures are built once (TEST_JOBS=0: in
+# one process). A step that PYTEST_ARGS leaves without tests (pytest's exit 5)
+# passes if the other ran some. TEST_PATHS=... runs one pytest over those.
+TEST_JOBS ?= 2
+SERVING_TESTS := tests/serving
+define whole_suite
+run_pytest $(SERVING_TESTS) $(PYTEST_ARGS); serving=$$?; \
+run_pytest -n $(TEST_JOBS) --dist loadfile --ignore=$(SERVING_TESTS) $(PYTEST_ARGS); \
+rest=$$?; \
+if [ $$serving -eq 5 ] && [ $$rest -ne 5 ]; then serving=0; fi; \
+if [ $$rest -eq 5 ] && [ $$serving -ne 5 ]; then rest=0; fi; \
+rc=$$serving; if [ $$rc -eq 0 ]; then rc=$$rest; fi
 endef
 
 test: setup
@@ -156,7 +176,7 @@ test: setup
 		echo "make test: .venv has another revision of the patch set; replacing it"; \
 		$(APPLY) revert; fi
 	$(APPLY) apply
-	$(call pytest_in_own_tmpdir,$(TEST_PATHS) $(PYTEST_ARGS))
+	$(call pytest_in_own_tmpdir,$(if $(TEST_PATHS),run_pytest $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?,$(whole_suite)))
 
 # Only the tests that run the series inside real `vllm serve` servers on CPU
 # ranks (tests/serving; part of make test).

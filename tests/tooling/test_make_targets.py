@@ -200,3 +200,44 @@ def test_make_test_removes_its_temporary_directory_only_after_a_pass(
         assert f"make test: temporary files kept in {tmpdir}" in result.stdout
         assert (tmpdir / "rank.log").exists()
         shutil.rmtree(tmpdir)
+
+
+@pytest.mark.parametrize(
+    ("serving", "rest", "passes"),
+    [
+        (0, 0, True),
+        (1, 0, False),
+        (0, 1, False),
+        (5, 0, True),
+        (0, 5, True),
+        (5, 5, False),
+    ],
+)
+def test_make_test_runs_the_serving_tests_alone_then_the_rest_in_workers(
+    fresh_clone, tmp_path, serving, rest, passes
+):
+    """The servers' spinning ranks would slow what runs beside them: the
+    serving tests run first in a pytest of their own, the rest in xdist
+    workers after them; a step left without tests (exit 5) fails the run
+    only if the other has none either."""
+    calls = tmp_path / "calls"
+    venv_bin = fresh_clone / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    stub = venv_bin / "python"
+    stub.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\n'
+        f'case " $* " in *" tests/serving "*) exit {serving} ;; esac\nexit {rest}\n'
+    )
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    (fresh_clone / ".venv" / ".k3-sppp-setup").touch()
+    (fresh_clone / "apply.py").write_text("")
+    result = make("test", "PYTEST_ARGS=-x", cwd=fresh_clone)
+    assert calls.read_text().splitlines() == [
+        "-m pytest tests/serving -x",
+        "-m pytest -n 2 --dist loadfile --ignore=tests/serving -x",
+    ]
+    assert (result.returncode == 0) == passes, result.stdout + result.stderr
+
+    calls.unlink()
+    result = make("test", "TEST_PATHS=tests/unit", "TEST_JOBS=0", cwd=fresh_clone)
+    assert calls.read_text().splitlines() == ["-m pytest tests/unit"]
