@@ -173,6 +173,18 @@ def test_make_help_names_every_target_that_vllm_points(tmp_path):
     assert [t for t in pointed if t not in paragraph] == []
 
 
+def clone_for_make_test(clone: Path, interpreter: str) -> None:
+    """``clone`` as `make test` finds a set-up one: `.venv`'s python runs the
+    shell script ``interpreter`` in pytest's place, and apply.py does nothing."""
+    venv_bin = clone / ".venv" / "bin"
+    venv_bin.mkdir(parents=True)
+    stub = venv_bin / "python"
+    stub.write_text(f"#!/bin/sh\n{interpreter}")
+    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
+    (clone / ".venv" / ".k3-sppp-setup").touch()
+    (clone / "apply.py").write_text("")
+
+
 @pytest.mark.parametrize("code", [0, 1])
 def test_make_test_removes_its_temporary_directory_only_after_a_pass(
     fresh_clone, tmp_path, code
@@ -180,15 +192,9 @@ def test_make_test_removes_its_temporary_directory_only_after_a_pass(
     """`make test` gives pytest a TMPDIR of its own: gone after a passing run,
     kept and named after a failing one (the ranks' output is in it)."""
     seen = tmp_path / "tmpdir-seen"
-    venv_bin = fresh_clone / ".venv" / "bin"
-    venv_bin.mkdir(parents=True)
-    pytest_stub = venv_bin / "python"
-    pytest_stub.write_text(
-        f'#!/bin/sh\necho "$TMPDIR" > {seen}\ntouch "$TMPDIR/rank.log"\nexit {code}\n'
+    clone_for_make_test(
+        fresh_clone, f'echo "$TMPDIR" > {seen}\ntouch "$TMPDIR/rank.log"\nexit {code}\n'
     )
-    pytest_stub.chmod(pytest_stub.stat().st_mode | stat.S_IEXEC)
-    (fresh_clone / ".venv" / ".k3-sppp-setup").touch()
-    (fresh_clone / "apply.py").write_text("")
     result = make("test", cwd=fresh_clone)
     tmpdir = Path(seen.read_text().strip())
     assert tmpdir.name.startswith("k3-sppp-test-")
@@ -221,16 +227,11 @@ def test_make_test_runs_the_serving_tests_alone_then_the_rest_in_workers(
     workers after them; a step left without tests (exit 5) fails the run
     only if the other has none either."""
     calls = tmp_path / "calls"
-    venv_bin = fresh_clone / ".venv" / "bin"
-    venv_bin.mkdir(parents=True)
-    stub = venv_bin / "python"
-    stub.write_text(
-        f'#!/bin/sh\necho "$@" >> {calls}\n'
-        f'case " $* " in *" tests/serving "*) exit {serving} ;; esac\nexit {rest}\n'
+    clone_for_make_test(
+        fresh_clone,
+        f'echo "$@" >> {calls}\n'
+        f'case " $* " in *" tests/serving "*) exit {serving} ;; esac\nexit {rest}\n',
     )
-    stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
-    (fresh_clone / ".venv" / ".k3-sppp-setup").touch()
-    (fresh_clone / "apply.py").write_text("")
     result = make("test", "PYTEST_ARGS=-x", cwd=fresh_clone)
     assert calls.read_text().splitlines() == [
         "-m pytest tests/serving -x",
