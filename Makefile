@@ -66,13 +66,20 @@ SHELL := /bin/bash
 
 pin = $(shell sed -n 's/^$(1) *= *//p' setup.cfg)
 PYTHON ?= $(call pin,python)
-VENV := .venv
+# The vLLM release: the default (setup.cfg's vllm) lives in .venv, any other
+# of setup.cfg's vllm_bases in .venv-BASE, with its own series (bases/BASE/).
+DEFAULT_BASE := $(call pin,vllm)
+BASE ?= $(DEFAULT_BASE)
+ifeq ($(filter $(BASE),$(call pin,vllm_bases)),)
+$(error BASE=$(BASE): the series is kept for vLLM $(call pin,vllm_bases) (setup.cfg vllm_bases))
+endif
+VENV := $(if $(filter $(BASE),$(DEFAULT_BASE)),.venv,.venv-$(BASE))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.k3-sppp-setup
 # The path reaches apply.py through the environment (make exports VLLM),
 # never through the recipe's text: the shell sees no quote, backtick or $ of it.
-TARGET := $(if $(VLLM),--target="$$VLLM")
-APPLY := python3 apply.py
+TARGET := $(if $(VLLM),--target="$$VLLM",$(if $(filter $(BASE),$(DEFAULT_BASE)),,--target=$(VENV)))
+APPLY := python3 apply.py $(if $(filter $(BASE),$(DEFAULT_BASE)),,--patch-set bases/$(BASE))
 PYTEST_ARGS ?=
 TEST_PATHS ?=
 
@@ -91,7 +98,7 @@ SETUP_FREE_GIB ?= 12
 $(STAMP): setup.cfg
 	@test -x $(VPY) || { \
 	if ! command -v "$(PYTHON)" > /dev/null 2>&1; then \
-		echo "make setup: $(PYTHON) is not on PATH; vLLM $(call pin,vllm) needs" \
+		echo "make setup: $(PYTHON) is not on PATH; vLLM $(BASE) needs" \
 			"Python 3.11 or newer. Install it (Ubuntu 22.04: sudo apt install" \
 			"python3.11 python3.11-venv; or uv python install 3.11) or point" \
 			"PYTHON= at one: make apply PYTHON=/path/to/python3.11" >&2; \
@@ -100,12 +107,12 @@ $(STAMP): setup.cfg
 	"$(PYTHON)" -c 'import sys; sys.exit(sys.version_info < (3, 11))' || { \
 		echo "make setup: $(PYTHON) is Python" \
 			"$$("$(PYTHON)" -c 'import platform; print(platform.python_version())')," \
-			"vLLM $(call pin,vllm) needs 3.11 or newer: PYTHON=/path/to/python3.11" >&2; \
+			"vLLM $(BASE) needs 3.11 or newer: PYTHON=/path/to/python3.11" >&2; \
 		exit 1; }; \
 	free_kib=$$(df -Pk . | awk 'NR == 2 { print $$4 }'); \
 	if [ "$$free_kib" -lt $$(($(SETUP_FREE_GIB) * 1048576)) ]; then \
 		echo "make setup: $$((free_kib / 1048576)) GiB free on the disk of" \
-			"$(CURDIR); .venv (vLLM $(call pin,vllm), torch $(call pin,torch)" \
+			"$(CURDIR); $(VENV) (vLLM $(BASE), torch $(call pin,torch)" \
 			"with its CUDA libraries) needs about $(SETUP_FREE_GIB) GiB. Free" \
 			"space there, or clone k3-sppp onto a larger disk" >&2; \
 		exit 1; \
@@ -113,12 +120,17 @@ $(STAMP): setup.cfg
 	"$(PYTHON)" -m venv $(VENV) || { rm -rf $(VENV); \
 		echo "make setup: $(PYTHON) -m venv failed (Debian/Ubuntu: sudo apt" \
 			"install python3.11-venv)" >&2; exit 1; }; }
-	$(VPY) -m pip install --quiet "vllm==$(call pin,vllm)" \
+	rm -rf $(VENV)/wheel && $(VPY) -m pip download --quiet --no-deps \
+		"vllm==$(BASE)" -d $(VENV)/wheel
+	$(VPY) _requirements.py $(VENV)/wheel/vllm-*.whl $(BASE) > $(VENV)/requirements.txt
+	$(VPY) -m pip install --quiet -r $(VENV)/requirements.txt \
 		"torch==$(call pin,torch)" $(call pin,dev) \
 		$(foreach req,$(call pin,eval),"$(req)")
+	$(VPY) -m pip install --quiet --no-deps $(VENV)/wheel/vllm-*.whl
+	rm -rf $(VENV)/wheel
 	$(VPY) -c 'import importlib.metadata as m, sys; \
 		got = {p: m.version(p).split("+")[0] for p in ("vllm", "torch")}; \
-		want = {"vllm": "$(call pin,vllm)", "torch": "$(call pin,torch)"}; \
+		want = {"vllm": "$(BASE)", "torch": "$(call pin,torch)"}; \
 		sys.exit(0 if got == want else f"pins not met: {got} != {want}")'
 	@touch $@
 
@@ -172,10 +184,10 @@ rc=$$serving; if [ $$rc -eq 0 ]; then rc=$$rest; fi
 endef
 
 test: setup
-	@$(APPLY) status > /dev/null; if [ $$? -eq 6 ]; then \
-		echo "make test: .venv has another revision of the patch set; replacing it"; \
-		$(APPLY) revert; fi
-	$(APPLY) apply
+	@$(APPLY) status $(TARGET) > /dev/null; if [ $$? -eq 6 ]; then \
+		echo "make test: $(VENV) has another revision of the patch set; replacing it"; \
+		$(APPLY) revert $(TARGET); fi
+	$(APPLY) apply $(TARGET)
 	$(call pytest_in_own_tmpdir,$(if $(TEST_PATHS),run_pytest $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?,$(whole_suite)))
 
 # Only the tests that run the series inside real `vllm serve` servers on CPU
@@ -216,7 +228,7 @@ serve:
 	@command -v "$(SERVE_PYTHON)" > /dev/null || { \
 		echo "make serve: no python at SERVE_PYTHON=$(SERVE_PYTHON): run" \
 			"\`make apply\` (it builds .venv) or set SERVE_PYTHON= to the python" \
-			"of the environment that serves vLLM $(call pin,vllm)" >&2; exit 1; }
+			"of the environment that serves vLLM $(BASE)" >&2; exit 1; }
 	@"$(SERVE_PYTHON)" -m eval.serve --arm "$(ARM)" --node-rank "$(NODE_RANK)" \
 		--checkpoint "$(or $(CHECKPOINT),$(MODEL))" --master-addr "$(MASTER_ADDR)" \
 		--host-ip "$(HOST_IP)" --deepgemm "$(DEEPGEMM)" --python "$(SERVE_PYTHON)" \

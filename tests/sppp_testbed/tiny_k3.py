@@ -33,6 +33,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from tests.sppp_testbed.cpu_platform import accept_x86_without_triton
 from vllm.config import (
     CompilationConfig,
     KernelConfig,
@@ -64,6 +65,8 @@ try:
     from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
 except ImportError:  # pristine vLLM (non-regression runs): no overlay modules
     k3_sp = None
+
+accept_x86_without_triton()
 
 DTYPE = torch.float64
 HIDDEN = 64

@@ -31,7 +31,6 @@ from vllm.model_executor.models.interfaces import (
     get_pp_all_gather_overrides,
     get_pp_num_rows,
 )
-from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from vllm.v1.worker.pp_intermediate_tensors import accepts_hand_off
 from vllm.v1.worker.pp_stage_announcement import announce_and_wait
@@ -56,7 +55,12 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     ),
     "warm_up": (
         "--kernel-config (enable_jit_warmup)",
+        "--enable-extensible-kv-cache (--kv-cache-memory-bytes)",
         "--speculative-config",
+        "--max-num-batched-tokens",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--max-logprobs",
     ),
     "batch_padding": (
         "--compilation-config",
@@ -165,17 +169,11 @@ class RunnerPadding:
         self.cudagraph_mode = compilation_config.cudagraph_mode
         self.decode_query_len = 1 + vllm_config.num_speculative_tokens
         self.manager: CudaGraphManager | None = None
-        self.dispatcher: CudagraphDispatcher | None = None
         manager = getattr(model_runner, "cudagraph_manager", None)
-        dispatcher = getattr(model_runner, "cudagraph_dispatcher", None)
-        if isinstance(manager, CudaGraphManager):  # model runner V2
+        if isinstance(manager, CudaGraphManager):
             self.manager = manager
             self.cudagraph_mode = manager.cudagraph_mode
             self.decode_query_len = manager.decode_query_len
-        elif isinstance(dispatcher, CudagraphDispatcher):  # legacy model runner
-            self.dispatcher = dispatcher
-            self.cudagraph_mode = dispatcher.cudagraph_mode
-            self.decode_query_len = dispatcher.uniform_decode_query_len
         self.max_num_tokens = (
             compilation_config.max_cudagraph_capture_size or 0
             if self.cudagraph_mode
@@ -196,14 +194,6 @@ class RunnerPadding:
                 shape.max_query_len,
             )
             return shape.num_tokens if desc is None else desc.num_tokens
-        if self.dispatcher is not None:
-            _, desc = self.dispatcher.dispatch(
-                shape.num_tokens,
-                uniform_decode=shape.uniform_token_count == self.decode_query_len,
-                has_lora=shape.num_active_loras > 0,
-                num_active_loras=shape.num_active_loras,
-            )
-            return desc.num_tokens
         return shape.num_tokens
 
 
@@ -223,30 +213,6 @@ def aux_hidden_state_layers(model: nn.Module) -> tuple[tuple[int, ...], int, int
     return (), 0, 0
 
 
-def check_aux_layers_on_the_last_stage(model: nn.Module) -> None:
-    """The V1 model runner sets aux layers on the last PP stage only, so no
-    earlier stage captures or relays a tap: a last stage that relays taps and
-    expects some at or before its first layer would wait for aux states
-    nobody sends and fail at its first forward ("Missing
-    aux_hidden_states_0"), the memory profiling run. The worker asks once the
-    V1 runner loaded the model."""
-    pp_group = get_pp_group()
-    if pp_group.is_first_rank:
-        return
-    layers, start, _ = aux_hidden_state_layers(model)
-    upstream = [layer for layer in layers if layer <= start]
-    if upstream:
-        raise ValueError(
-            f"Aux hidden-state layers {upstream} are captured at or before "
-            f"layer {start}, where the last PP stage begins, and the V1 model "
-            "runner sets aux layers on the last stage only: no stage would "
-            "send them. Use the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), "
-            "whose stages relay them, or choose --speculative-config "
-            f"eagle_aux_hidden_state_layer_ids above {start} or another "
-            "VLLM_PP_LAYER_PARTITION."
-        )
-
-
 def pp_hand_off_settings(
     vllm_config: VllmConfig, model: nn.Module, padding: RunnerPadding
 ) -> dict[str, Any]:
@@ -256,6 +222,7 @@ def pp_hand_off_settings(
     layers, start, end = aux_hidden_state_layers(model)
     aux_key = EagleModelMixin.AUX_HIDDEN_STATE_KEY
     speculative_config = vllm_config.speculative_config
+    scheduler_config = vllm_config.scheduler_config
     return {
         # A model keeps stage outputs sequence parallel exactly when it
         # declares keys that are TP shards, not replicas.
@@ -266,14 +233,23 @@ def pp_hand_off_settings(
             for key, gather in overrides.items()
             if not key.startswith(aux_key)
         },
-        # The V2 runner's JIT warm-up runs real PP steps through the worker,
-        # a second pass of them with spec decode, each sized by the decode
-        # query length: every stage must run the same ones.
+        # Kernel warm-up runs real PP steps through the worker when JIT
+        # warm-up or the extensible KV cache is on (a second pass with spec
+        # decode, each sized by the decode query length); the extensible KV
+        # cache then runs its sizing steps, sized by the scheduler budget,
+        # the model length and the logprobs asked: every stage must run the
+        # same ones.
         "warm_up": {
-            "enable_jit_warmup": vllm_config.use_v2_model_runner
-            and vllm_config.kernel_config.enable_jit_warmup,
+            "enable_jit_warmup": vllm_config.kernel_config.enable_jit_warmup,
+            "enable_extensible_kv_cache": (
+                vllm_config.cache_config.enable_extensible_kv_cache
+            ),
             "speculative_decoding": speculative_config is not None,
             "num_speculative_tokens": vllm_config.num_speculative_tokens,
+            "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
+            "max_num_seqs": scheduler_config.max_num_seqs,
+            "max_model_len": vllm_config.model_config.max_model_len,
+            "max_logprobs": vllm_config.model_config.max_logprobs,
         },
         # A stage relays every aux state captured up to its last boundary and
         # expects those captured up to its first.
@@ -293,8 +269,7 @@ def pp_hand_off_settings(
         "enforce_eager": vllm_config.model_config.enforce_eager,
         "moe_backend": vllm_config.kernel_config.moe_backend,
         "enable_expert_parallel": vllm_config.parallel_config.enable_expert_parallel,
-        # The legacy runner sets them on the last stage only.
-        "aux_hidden_state_layers": layers if vllm_config.use_v2_model_runner else None,
+        "aux_hidden_state_layers": layers,
     }
 
 
@@ -371,7 +346,10 @@ def aux_slot_problems(everyone: list[dict[str, Any]]) -> list[str]:
 
 def warm_up_problems(everyone: list[dict[str, Any]]) -> list[str]:
     """Warm-up steps differ only where some stage runs them."""
-    if not any(s["warm_up"]["enable_jit_warmup"] for s in everyone):
+    if not any(
+        s["warm_up"]["enable_jit_warmup"] or s["warm_up"]["enable_extensible_kv_cache"]
+        for s in everyone
+    ):
         return []
     return differences(everyone, ("warm_up",))
 
@@ -424,7 +402,7 @@ def check_pp_hand_off_agreement(
         if sequence_parallel:
             raise
         # Without SP a runner whose padding cannot be asked (an out-of-tree
-        # dispatcher) starts as it did in 0.33.0, which compared nothing.
+        # graph manager) starts as it did before, when nothing was compared.
         logger.warning("%s; batch padding not compared.", error)
         rows = None
 

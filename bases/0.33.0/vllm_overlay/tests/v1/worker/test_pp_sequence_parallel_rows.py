@@ -1,0 +1,438 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""The rows both model runners hand a model after a PP hand-off, and the rows
+V2 CUDA graph replay returns, when the model keeps its stage outputs
+sequence parallel: each TP rank receives ``c = ceil(N / TP)`` rows.
+
+The runners' methods run unbound on fakes that hold only the persistent
+buffers they touch (``max_num_tokens`` rows, as the runners allocate them)
+and the model they ask what it expects: ``ShardedModel`` declares its shard,
+``REPLICATED`` stands for every model that declares nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+
+import pytest
+import torch
+
+from vllm.config import CUDAGraphMode
+from vllm.model_executor.models.interfaces import (
+    PPHandOffDeclaration,
+    get_pp_hand_off_declaration,
+)
+from vllm.models.common.ops.sequence_parallel import sp_shard_rows
+from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
+from vllm.sequence import IntermediateTensors
+from vllm.v1.worker import pp_intermediate_tensors as pp_rows
+from vllm.v1.worker.gpu.cudagraph_utils import (
+    BatchExecutionDescriptor,
+    CudaGraphManager,
+    ModelCudaGraphManager,
+)
+from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2ModelRunner
+from vllm.v1.worker.gpu.pp_utils import PPHandler
+from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+TOKEN_COUNTS = [1, 3, 8, 17, 64]
+TP_SIZES = [2, 4, 8]
+CAPACITY = 128  # max_num_tokens
+HIDDEN = 8
+BANK = 2  # AttnRes blocks behind the stage: the residual is 3-D
+
+
+def hand_off(rows: int, seed: int = 0) -> IntermediateTensors:
+    generator = torch.Generator().manual_seed(seed)
+    return IntermediateTensors(
+        {
+            "hidden_states": torch.randn(rows, HIDDEN, generator=generator),
+            "residual": torch.randn(rows, BANK, HIDDEN, generator=generator),
+            "aux_hidden_states_0": torch.randn(rows, HIDDEN, generator=generator),
+        }
+    )
+
+
+def persistent_buffers() -> IntermediateTensors:
+    return IntermediateTensors(
+        {k: torch.zeros(CAPACITY, *v.shape[1:]) for k, v in hand_off(1).items()}
+    )
+
+
+class ShardedModel:
+    """Declares its hand-off as TP shards of ``ceil(N / TP)`` rows."""
+
+    def __init__(self, tp: int) -> None:
+        self.tp = tp
+
+    def get_pp_intermediate_tensor_all_gather_overrides(self) -> dict[str, bool]:
+        return {key: False for key in hand_off(1).tensors}
+
+    def get_pp_intermediate_tensor_num_rows(self, num_tokens: int) -> int:
+        return sp_shard_rows(num_tokens, self.tp)
+
+
+REPLICATED = object()  # a model that declares nothing, as every other model
+
+
+def legacy_runner(model: object) -> types.SimpleNamespace:
+    """The legacy runner's state after load_model took ``model``'s
+    declaration."""
+    return types.SimpleNamespace(
+        intermediate_tensors=persistent_buffers(),
+        _pp_hand_off=get_pp_hand_off_declaration(model),
+    )
+
+
+def row_rule(model: object) -> PPHandOffDeclaration:
+    """The declaration a runner keeps from ``model``."""
+    return get_pp_hand_off_declaration(model)
+
+
+def test_row_count_is_the_one_every_tensor_shares():
+    assert pp_rows.intermediate_tensors_num_rows(hand_off(9)) == 9
+    mixed = IntermediateTensors(
+        {"hidden_states": torch.zeros(9, HIDDEN), "residual": torch.zeros(64, 4)}
+    )
+    with pytest.raises(ValueError, match="hidden_states: 9, residual: 64"):
+        pp_rows.intermediate_tensors_num_rows(mixed)
+    with pytest.raises(ValueError, match="got none"):
+        pp_rows.intermediate_tensors_num_rows(IntermediateTensors({}))
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_a_hand_off_is_accepted_as_the_model_declares_it(num_tokens, tp):
+    """A sharded hand-off must be exactly the declared shard; a replicated
+    one at least the batch, as 0.33.0's copy needs."""
+    shard = sp_shard_rows(num_tokens, tp)
+    accepted = {
+        rows
+        for rows in range(2 * CAPACITY)
+        if pp_rows.accepts_hand_off(rows, num_tokens, shard)
+    }
+    assert accepted == {shard}
+    replicated = {
+        rows
+        for rows in range(2 * CAPACITY)
+        if pp_rows.accepts_hand_off(rows, num_tokens, None)
+    }
+    assert replicated == set(range(num_tokens, 2 * CAPACITY))
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_model_refuses_rows_that_are_neither_its_shard_nor_the_batch(
+    num_tokens, tp, monkeypatch
+):
+    """Stages that padded a batch differently send another shard size;
+    slicing it would mix rows silently, so the count is checked."""
+    monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: tp)
+    shard = sp_shard_rows(num_tokens, tp)
+    for rows in {shard, num_tokens}:
+        narrowed = k3_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
+        assert pp_rows.intermediate_tensors_num_rows(narrowed) == shard
+    for rows in {shard - 1, shard + 1, num_tokens + 1} - {shard, num_tokens}:
+        with pytest.raises(ValueError) as refused:
+            k3_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
+        assert str(refused.value).startswith(
+            f"Received hidden_states with {rows} rows for a batch of "
+            f"N={num_tokens} tokens at TP={tp}: a sequence-parallel hand-off "
+            f"has ceil(N/TP)={shard} rows"
+        )
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_legacy_real_step_hands_exactly_the_received_shard(num_tokens, tp):
+    runner = legacy_runner(ShardedModel(tp))
+    received = hand_off(sp_shard_rows(num_tokens, tp), seed=num_tokens)
+    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, received, True
+    )
+    for key, tensor in handed.items():
+        assert tensor.shape == received[key].shape, key
+        # The leading rows of the persistent buffer: where capture reads.
+        assert tensor.data_ptr() == runner.intermediate_tensors[key].data_ptr()
+        torch.testing.assert_close(tensor, received[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_legacy_dummy_run_buffers_are_narrowed_once_by_the_model(
+    num_tokens, tp, monkeypatch
+):
+    """Dummy runs, profiling and capture hand ``num_tokens`` rows of the
+    full buffers; the model narrows them to the same leading rows a real
+    step writes."""
+    monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: tp)
+    runner = legacy_runner(ShardedModel(tp))
+    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, None, False
+    )
+    assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
+    narrowed = k3_sp.narrow_to_sequence_parallel_rows(handed, num_tokens)
+    again = k3_sp.narrow_to_sequence_parallel_rows(narrowed, num_tokens)
+    for key, tensor in narrowed.items():
+        assert tensor.shape[0] == sp_shard_rows(num_tokens, tp)
+        assert tensor.data_ptr() == runner.intermediate_tensors[key].data_ptr()
+        assert again[key].shape == tensor.shape  # a no-op on local rows
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_legacy_real_step_without_sp_is_unchanged(num_tokens):
+    runner = legacy_runner(REPLICATED)
+    received = hand_off(num_tokens)
+    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        runner, num_tokens, received, True
+    )
+    assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
+
+
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_both_runners_cut_a_hand_off_longer_than_the_batch(num_tokens):
+    """A sender's whole ``max_num_tokens``-row buffers (what ``vllm bench
+    forward`` hands over) reach the model as their first ``num_tokens`` rows,
+    through either runner, as 0.33.0 cut every hand-off."""
+    received = hand_off(CAPACITY, seed=num_tokens)
+    legacy = GPUModelRunner.sync_and_gather_intermediate_tensors(
+        legacy_runner(REPLICATED), num_tokens, received, True
+    )
+    v2 = pp_rows.hand_over_intermediate_tensors(
+        persistent_buffers(), received, num_tokens, row_rule(REPLICATED)
+    )
+    for handed in (legacy, v2):
+        for key, tensor in handed.items():
+            expected = received[key][:num_tokens]
+            torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
+
+
+def graph_manager() -> ModelCudaGraphManager:
+    """The V2 graph manager's output state only: no devices, no graphs."""
+    manager = ModelCudaGraphManager.__new__(ModelCudaGraphManager)
+    manager.is_last_pp_rank = False
+    manager.intermediate_tensors = None
+    manager.intermediate_rows = {}
+    return manager
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+def test_graphs_record_their_rows_and_replay_returns_them(tp, monkeypatch):
+    replayed = []
+    monkeypatch.setattr(
+        CudaGraphManager, "run_fullgraph", lambda self, desc: replayed.append(desc)
+    )
+    manager = graph_manager()
+    descs = {
+        n: BatchExecutionDescriptor(CUDAGraphMode.FULL, num_tokens=n, num_reqs=n)
+        for n in sorted(TOKEN_COUNTS, reverse=True)  # capture: largest first
+    }
+    outputs = {
+        n: hand_off(sp_shard_rows(n, tp), seed=n) for n in descs
+    }  # fmt: skip
+    for n, desc in descs.items():
+        manager.store_intermediate_tensors(desc, outputs[n])
+    largest = sp_shard_rows(max(TOKEN_COUNTS), tp)
+    # Later, smaller captures did not shrink the buffers the first allocated.
+    assert {t.shape[0] for t in manager.intermediate_tensors.tensors.values()} == {
+        largest
+    }
+    for n, desc in descs.items():
+        assert manager.intermediate_rows[desc] == sp_shard_rows(n, tp)
+        view = manager.run_fullgraph(desc)
+        assert isinstance(view, IntermediateTensors)
+        for key, tensor in view.items():
+            assert tensor.shape == outputs[n][key].shape
+            assert tensor.data_ptr() == manager.intermediate_tensors[key].data_ptr()
+    assert replayed == list(descs.values())
+    # What the last capture (the smallest) wrote is what its replay returns.
+    smallest = min(TOKEN_COUNTS)
+    torch.testing.assert_close(
+        manager.run_fullgraph(descs[smallest])["hidden_states"],
+        outputs[smallest]["hidden_states"],
+        rtol=0,
+        atol=0,
+    )
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_v2_hand_over_copies_real_steps_and_passes_dummy_buffers(num_tokens, tp):
+    """What the V2 runner's execute_model hands over, real step and dummy
+    run (memory and graph profiling go through the dummy run)."""
+    buffers = persistent_buffers()
+    received = hand_off(sp_shard_rows(num_tokens, tp), seed=tp)
+    rule = row_rule(ShardedModel(tp))
+    real = pp_rows.hand_over_intermediate_tensors(buffers, received, num_tokens, rule)
+    dummy = pp_rows.hand_over_intermediate_tensors(buffers, None, num_tokens, rule)
+    for key in received.tensors:
+        torch.testing.assert_close(real[key], received[key], rtol=0, atol=0)
+        assert dummy[key].shape[0] == num_tokens
+        assert real[key].data_ptr() == dummy[key].data_ptr()  # same leading rows
+
+
+def test_v2_relay_hands_on_as_many_rows_as_the_stage_outputs():
+    """TP8, a 64-token dummy run: the stage outputs its 8-row shard, while
+    the relayed aux state came in as 64 full buffer rows. Relayed rows must
+    match the output's, or the hand-off mixes 64 and 8 rows."""
+    handler = types.SimpleNamespace(
+        aux_hidden_state_relay_keys=("aux_hidden_states_0",)
+    )
+    inputs = persistent_buffers()[:64]
+    output = IntermediateTensors(
+        {k: v for k, v in hand_off(8).items() if not k.startswith("aux")}
+    )
+    relayed = PPHandler.relay_aux_hidden_states(handler, inputs, output)
+    assert pp_rows.intermediate_tensors_num_rows(relayed) == 8
+    assert relayed["aux_hidden_states_0"].data_ptr() == (
+        inputs["aux_hidden_states_0"].data_ptr()
+    )
+
+
+def test_buffers_keep_full_capacity_when_a_hand_over_raises():
+    """Views are sliced per call, never narrowed in place: a hand-over that
+    fails leaves the persistent buffers at ``max_num_tokens`` rows."""
+    buffers = persistent_buffers()
+    mixed = IntermediateTensors(
+        {
+            "hidden_states": torch.zeros(8, HIDDEN),
+            "residual": torch.zeros(64, BANK, HIDDEN),
+        }
+    )
+    model = row_rule(ShardedModel(8))
+    with pytest.raises(ValueError, match="hidden_states: 8, residual: 64"):
+        pp_rows.hand_over_intermediate_tensors(buffers, mixed, 64, model)
+    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+    with pytest.raises(ValueError, match="of 9 rows for a step of 64 tokens"):
+        pp_rows.hand_over_intermediate_tensors(buffers, hand_off(9), 64, model)
+    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+    handed = pp_rows.hand_over_intermediate_tensors(buffers, hand_off(8), 64, model)
+    assert {t.shape[0] for t in handed.tensors.values()} == {8}
+    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+
+
+@pytest.mark.parametrize("tp", TP_SIZES)
+@pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
+def test_runners_refuse_a_shard_of_other_rows_before_the_copy(num_tokens, tp):
+    """Stages that padded a batch differently send another shard size. The
+    runner refuses it before the copy, so a step replayed from a CUDA graph,
+    where the model's own code does not run, is checked too."""
+    shard = sp_shard_rows(num_tokens, tp)
+    for rows in sorted({shard - 1, shard + 1, num_tokens, CAPACITY} - {0, shard}):
+        runner = legacy_runner(ShardedModel(tp))
+        with pytest.raises(ValueError) as refused:
+            GPUModelRunner.sync_and_gather_intermediate_tensors(
+                runner, num_tokens, hand_off(rows, seed=1), True
+            )
+        assert str(refused.value).startswith(
+            f"Received PP intermediate tensors of {rows} rows for a step of "
+            f"{num_tokens} tokens where this stage expects {shard}: the stages "
+            "padded the batch differently."
+        )
+        untouched = runner.intermediate_tensors
+        assert all(not t.any() for t in untouched.tensors.values()), rows
+
+
+@pytest.mark.parametrize("num_tokens", [3, 17, 64])
+def test_runners_refuse_a_replicated_hand_off_shorter_than_the_batch(num_tokens):
+    """0.33.0 failed on this copy's shapes; the message now names the rows."""
+    with pytest.raises(ValueError, match=f"expects at least {num_tokens}:"):
+        GPUModelRunner.sync_and_gather_intermediate_tensors(
+            legacy_runner(REPLICATED), num_tokens, hand_off(num_tokens - 1), True
+        )
+
+
+def test_v2_hands_over_before_it_replays_a_graph():
+    """The V2 runner's hand-over (and its row check) runs before the FULL
+    graph replay reads the buffers it fills."""
+    source = inspect.getsource(V2ModelRunner.execute_model)
+    hand_over = source.index("hand_over_intermediate_tensors(")
+    assert "self._pp_hand_off," in source[hand_over : hand_over + 400]
+    assert hand_over < source.index("self.cudagraph_manager.run_fullgraph(")
+
+
+def test_find_candidate_is_what_dispatch_runs_once_graphs_are_captured(monkeypatch):
+    """The start-up check asks find_candidate before capture; dispatch asks
+    it once graphs are captured, so both pad every batch alike."""
+    from vllm.config import VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    monkeypatch.setattr(
+        cudagraph_utils,
+        "get_pp_group",
+        lambda: types.SimpleNamespace(is_first_rank=False, is_last_rank=False),
+    )
+    monkeypatch.setattr(current_platform, "get_global_graph_pool", lambda: None)
+    config = VllmConfig()
+    # After VllmConfig's own resolution, which drops graphs on the CPU.
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
+    config.compilation_config.max_cudagraph_capture_size = 8
+    manager = CudaGraphManager(
+        config, torch.device("cpu"), CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=2
+    )
+    shapes = [
+        (num_reqs, num_tokens, uniform)
+        for num_tokens in range(0, 11)
+        for num_reqs in range(1, num_tokens + 1)
+        for uniform in (None, 2)
+        if uniform is None or num_tokens == 2 * num_reqs
+    ]
+    before = [manager.dispatch(r, n, u, 0).cg_mode for r, n, u in shapes]
+    assert set(before) == {CUDAGraphMode.NONE}  # nothing captured yet
+    manager._graphs_captured = True
+    padded = {}
+    for num_reqs, num_tokens, uniform in shapes:
+        desc = manager.dispatch(num_reqs, num_tokens, uniform, 0)
+        found = manager.find_candidate(num_reqs, num_tokens, uniform, 0)
+        if num_tokens == 0 or found is None:
+            assert desc.cg_mode == CUDAGraphMode.NONE
+            assert desc.num_tokens == num_tokens
+        else:
+            assert desc == found
+        padded[num_reqs, num_tokens, uniform] = desc.num_tokens
+    # Uniform decodes of 2 tokens per request pad to the rounded sizes.
+    assert [padded[n // 2, n, 2] for n in (2, 4, 6, 8, 10)] == [2, 4, 8, 8, 10]
+    assert padded[3, 5, None] == 5  # FULL_DECODE_ONLY: mixed batches run eager
+
+
+@pytest.mark.parametrize("num_active_loras", [0, 1, 2, 3, 4, 5])
+def test_find_candidate_resolves_lora_counts_as_dispatch_does(
+    num_active_loras, monkeypatch
+):
+    """The start-up check asks find_candidate with a batch's own LoRA count:
+    below, at, between and above the captured cases (2 and 4) it must pad as
+    dispatch does once graphs are captured."""
+    from vllm.config import VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    monkeypatch.setattr(
+        cudagraph_utils,
+        "get_pp_group",
+        lambda: types.SimpleNamespace(is_first_rank=False, is_last_rank=False),
+    )
+    monkeypatch.setattr(current_platform, "get_global_graph_pool", lambda: None)
+    config = VllmConfig()
+    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
+    config.compilation_config.max_cudagraph_capture_size = 8
+    manager = CudaGraphManager(
+        config,
+        torch.device("cpu"),
+        CUDAGraphMode.FULL_DECODE_ONLY,
+        decode_query_len=2,
+        lora_capture_cases=[0, 2, 4],
+    )
+    manager._graphs_captured = True
+    graphs = 0
+    for num_tokens in range(2, 11, 2):
+        num_reqs = num_tokens // 2
+        desc = manager.dispatch(num_reqs, num_tokens, 2, num_active_loras)
+        found = manager.find_candidate(num_reqs, num_tokens, 2, num_active_loras)
+        if desc.cg_mode == CUDAGraphMode.NONE:
+            assert found is None, num_tokens
+        else:
+            assert found == desc, num_tokens
+            graphs += 1
+    assert graphs  # each count finds a captured graph for some batch

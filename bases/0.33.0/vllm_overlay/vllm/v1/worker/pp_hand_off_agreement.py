@@ -1,0 +1,450 @@
+# SPDX-License-Identifier: Apache-2.0
+# SPDX-FileCopyrightText: Copyright contributors to the vLLM project
+"""Pipeline stages must agree on what their hand-offs depend on.
+
+Each stage builds its own ``VllmConfig`` from its own command line (a headless
+node is started by hand), and vLLM compares parallel settings across nodes
+only for data parallelism. Stages that disagree on the transport of a key, on
+the aux states that cross a boundary, on the warm-up steps they run, or on
+how many rows a batch's hand-off holds post transfers of other shapes than
+their neighbours: NCCL then hangs, mixes rows, or the runner fails at the
+first step. Before the first hand-off every stage gathers what the others
+would send and expect; what would break raises on every stage, showing each
+stage's values and the options behind them. Any other difference is logged on
+every stage and changes nothing: a model that keeps no stage output sequence
+parallel starts wherever it started before.
+"""
+
+from bisect import bisect_right
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+from torch import nn
+
+from vllm.config import VllmConfig
+from vllm.distributed.parallel_state import get_pp_group
+from vllm.logger import init_logger
+from vllm.model_executor.models.interfaces import (
+    EagleModelMixin,
+    get_pp_all_gather_overrides,
+    get_pp_num_rows,
+)
+from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+from vllm.v1.worker.pp_intermediate_tensors import accepts_hand_off
+from vllm.v1.worker.pp_stage_announcement import announce_and_wait
+
+logger = init_logger(__name__)
+
+# The command-line options behind each value, named in the error.
+OPTIONS: dict[str, tuple[str, ...]] = {
+    "sequence_parallel": (
+        "--kernel-config",
+        "--enable-expert-parallel",
+        "--tensor-parallel-size",
+    ),
+    "all_gather_tensors": (
+        "--kernel-config",
+        "--enable-expert-parallel",
+        "--tensor-parallel-size",
+    ),
+    "aux_hidden_state_slots": (
+        "--speculative-config (eagle_aux_hidden_state_layer_ids)",
+        "VLLM_PP_LAYER_PARTITION",
+    ),
+    "warm_up": (
+        "--kernel-config (enable_jit_warmup)",
+        "--speculative-config",
+    ),
+    "batch_padding": (
+        "--compilation-config",
+        "--max-cudagraph-capture-size",
+        "--enforce-eager",
+        "--speculative-config (num_speculative_tokens)",
+    ),
+    "cudagraph_mode": ("--compilation-config",),
+    "cudagraph_capture_sizes": (
+        "--max-cudagraph-capture-size",
+        "--compilation-config",
+    ),
+    "enforce_eager": ("--enforce-eager",),
+    "moe_backend": ("--kernel-config",),
+    "enable_expert_parallel": ("--enable-expert-parallel",),
+    "aux_hidden_state_layers": (
+        "--speculative-config (eagle_aux_hidden_state_layer_ids)",
+    ),
+}
+
+# Compared as they are: a difference breaks the hand-off.
+REFUSED = ("sequence_parallel", "all_gather_tensors")
+
+# Shown where they differ, never refused on their own: the hand-off depends on
+# them only through the rows each stage pads a batch to, which is compared
+# itself ("batch_padding"), or through the aux slots, compared per boundary;
+# each stage's EP group is its own.
+SHOWN = (
+    "cudagraph_mode",
+    "cudagraph_capture_sizes",
+    "enforce_eager",
+    "moe_backend",
+    "enable_expert_parallel",
+    "aux_hidden_state_layers",
+)
+
+
+# Equal flags can pad alike or not: a stage's attention backends, or the
+# drafter on the last stage, may lower the CUDA graph mode it resolves.
+CUDAGRAPH_MODE_HINT = (
+    " If the flags already match, a stage's attention backends or drafter "
+    "lowered the CUDA graph mode it resolved: set a cudagraph_mode every "
+    "stage supports."
+)
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """A batch the scheduler hands every stage alike."""
+
+    num_tokens: int
+    # Tokens per request of a uniform decode batch.
+    uniform_token_count: int | None = None
+    # The longest request's tokens; None for a batch that holds a prefill.
+    max_query_len: int | None = None
+    num_active_loras: int = 0
+
+    @property
+    def num_reqs(self) -> int:
+        # Only uniform decode graphs constrain the request count; every
+        # other graph takes as many requests as it has tokens.
+        return self.num_tokens // (self.uniform_token_count or self.num_tokens)
+
+    def __str__(self) -> str:
+        if self.uniform_token_count is not None:
+            kind = f"a uniform decode of {self.uniform_token_count} per request"
+        elif self.max_query_len is not None:
+            kind = f"decodes of up to {self.max_query_len} tokens"
+        else:
+            kind = "with a prefill"
+        loras = f", {self.num_active_loras} LoRA(s)" if self.num_active_loras else ""
+        return f"a batch of {self.num_tokens} tokens ({kind}{loras})"
+
+
+def batch_shapes(
+    max_num_tokens: int, max_query_len: int, lora_counts: list[int]
+) -> list[BatchShape]:
+    """Every batch whose padding can differ between the stages: CUDA graphs
+    pad no batch above ``max_num_tokens``."""
+    return [
+        shape
+        for num_tokens in range(1, max_num_tokens + 1)
+        for loras in lora_counts
+        for shape in (
+            BatchShape(num_tokens, None, None, loras),
+            *(
+                BatchShape(num_tokens, None, q, loras)
+                for q in range(1, max_query_len + 1)
+            ),
+            *(
+                BatchShape(num_tokens, q, q, loras)
+                for q in range(1, max_query_len + 1)
+                if num_tokens % q == 0
+            ),
+        )
+    ]
+
+
+class RunnerPadding:
+    """How this stage's runner pads a batch: its CUDA graph dispatch, as it
+    resolved it (attention backends and a drafter may lower the requested
+    mode), known before any graph is captured."""
+
+    def __init__(self, vllm_config: VllmConfig, model_runner: object) -> None:
+        compilation_config = vllm_config.compilation_config
+        self.cudagraph_mode = compilation_config.cudagraph_mode
+        self.decode_query_len = 1 + vllm_config.num_speculative_tokens
+        self.manager: CudaGraphManager | None = None
+        self.dispatcher: CudagraphDispatcher | None = None
+        manager = getattr(model_runner, "cudagraph_manager", None)
+        dispatcher = getattr(model_runner, "cudagraph_dispatcher", None)
+        if isinstance(manager, CudaGraphManager):  # model runner V2
+            self.manager = manager
+            self.cudagraph_mode = manager.cudagraph_mode
+            self.decode_query_len = manager.decode_query_len
+        elif isinstance(dispatcher, CudagraphDispatcher):  # legacy model runner
+            self.dispatcher = dispatcher
+            self.cudagraph_mode = dispatcher.cudagraph_mode
+            self.decode_query_len = dispatcher.uniform_decode_query_len
+        self.max_num_tokens = (
+            compilation_config.max_cudagraph_capture_size or 0
+            if self.cudagraph_mode
+            else 0
+        )
+        lora_config = vllm_config.lora_config
+        self.lora_counts = [0] + (
+            list(range(1, lora_config.max_loras + 1)) if lora_config else []
+        )
+
+    def padded_num_tokens(self, shape: BatchShape) -> int:
+        if self.manager is not None:
+            desc = self.manager.find_candidate(
+                shape.num_reqs,
+                shape.num_tokens,
+                shape.uniform_token_count,
+                shape.num_active_loras,
+                shape.max_query_len,
+            )
+            return shape.num_tokens if desc is None else desc.num_tokens
+        if self.dispatcher is not None:
+            _, desc = self.dispatcher.dispatch(
+                shape.num_tokens,
+                uniform_decode=shape.uniform_token_count == self.decode_query_len,
+                has_lora=shape.num_active_loras > 0,
+                num_active_loras=shape.num_active_loras,
+            )
+            return desc.num_tokens
+        return shape.num_tokens
+
+
+def aux_hidden_state_layers(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
+    """The aux hidden-state layers that cross this stage's boundaries, and
+    its layer range. A model that does not relay taps across stages
+    (``supports_aux_hidden_states_over_pp``) captures its first one from what
+    it received and sends none, so none cross."""
+    for module in model.modules():
+        if isinstance(module, EagleModelMixin):
+            relays = module.supports_aux_hidden_states_over_pp
+            return (
+                tuple(module.aux_hidden_state_layers) if relays else (),
+                module.start_layer,
+                getattr(module, "end_layer", module.start_layer),
+            )
+    return (), 0, 0
+
+
+def check_aux_layers_on_the_last_stage(model: nn.Module) -> None:
+    """The V1 model runner sets aux layers on the last PP stage only, so no
+    earlier stage captures or relays a tap: a last stage that relays taps and
+    expects some at or before its first layer would wait for aux states
+    nobody sends and fail at its first forward ("Missing
+    aux_hidden_states_0"), the memory profiling run. The worker asks once the
+    V1 runner loaded the model."""
+    pp_group = get_pp_group()
+    if pp_group.is_first_rank:
+        return
+    layers, start, _ = aux_hidden_state_layers(model)
+    upstream = [layer for layer in layers if layer <= start]
+    if upstream:
+        raise ValueError(
+            f"Aux hidden-state layers {upstream} are captured at or before "
+            f"layer {start}, where the last PP stage begins, and the V1 model "
+            "runner sets aux layers on the last stage only: no stage would "
+            "send them. Use the V2 model runner (VLLM_USE_V2_MODEL_RUNNER=1), "
+            "whose stages relay them, or choose --speculative-config "
+            f"eagle_aux_hidden_state_layer_ids above {start} or another "
+            "VLLM_PP_LAYER_PARTITION."
+        )
+
+
+def pp_hand_off_settings(
+    vllm_config: VllmConfig, model: nn.Module, padding: RunnerPadding
+) -> dict[str, Any]:
+    """What decides the shapes and the transport of this stage's hand-offs."""
+    pp_group = get_pp_group()
+    overrides = get_pp_all_gather_overrides(model) or {}
+    layers, start, end = aux_hidden_state_layers(model)
+    aux_key = EagleModelMixin.AUX_HIDDEN_STATE_KEY
+    speculative_config = vllm_config.speculative_config
+    return {
+        # A model keeps stage outputs sequence parallel exactly when it
+        # declares keys that are TP shards, not replicas.
+        "sequence_parallel": any(not gather for gather in overrides.values()),
+        # Aux slots are compared per boundary, below.
+        "all_gather_tensors": {
+            key: gather
+            for key, gather in overrides.items()
+            if not key.startswith(aux_key)
+        },
+        # The V2 runner's JIT warm-up runs real PP steps through the worker,
+        # a second pass of them with spec decode, each sized by the decode
+        # query length: every stage must run the same ones.
+        "warm_up": {
+            "enable_jit_warmup": vllm_config.use_v2_model_runner
+            and vllm_config.kernel_config.enable_jit_warmup,
+            "speculative_decoding": speculative_config is not None,
+            "num_speculative_tokens": vllm_config.num_speculative_tokens,
+        },
+        # A stage relays every aux state captured up to its last boundary and
+        # expects those captured up to its first.
+        "aux_slots_received": (
+            0 if pp_group.is_first_rank else bisect_right(layers, start)
+        ),
+        "aux_slots_sent": 0 if pp_group.is_last_rank else bisect_right(layers, end),
+        "batch_shapes": (
+            padding.max_num_tokens,
+            padding.decode_query_len,
+            padding.lora_counts,
+        ),
+        "cudagraph_mode": str(padding.cudagraph_mode),
+        "cudagraph_capture_sizes": list(
+            vllm_config.compilation_config.cudagraph_capture_sizes or ()
+        ),
+        "enforce_eager": vllm_config.model_config.enforce_eager,
+        "moe_backend": vllm_config.kernel_config.moe_backend,
+        "enable_expert_parallel": vllm_config.parallel_config.enable_expert_parallel,
+        # The legacy runner sets them on the last stage only.
+        "aux_hidden_state_layers": layers if vllm_config.use_v2_model_runner else None,
+    }
+
+
+def hand_off_rows(
+    model: nn.Module, padding: RunnerPadding, shapes: list[BatchShape]
+) -> list[tuple[int, int | None]]:
+    """Per batch: the tokens this stage dispatches, and the rows the model
+    declares for them (``None``: replicas of every dispatched row)."""
+    declared: dict[int, int | None] = {}
+    rows = []
+    for shape in shapes:
+        num_tokens = padding.padded_num_tokens(shape)
+        if num_tokens not in declared:
+            declared[num_tokens] = get_pp_num_rows(model, num_tokens)
+        rows.append((num_tokens, declared[num_tokens]))
+    return rows
+
+
+@dataclass(frozen=True)
+class StageError:
+    """A stage that could not compute its part, sent in its place."""
+
+    message: str
+
+
+Answer = TypeVar("Answer")
+
+
+class StagesCouldNotAnswer(RuntimeError):
+    """Some stage could not compute its part; every stage raises it."""
+
+
+def gather_from_stages(compute: Callable[[], Answer]) -> list[Answer]:
+    """Every stage's answer. A stage whose own computation raises sends its
+    error instead, so every stage raises at once, none waits on the rest."""
+    pp_group = get_pp_group()
+    failure: Exception | None = None
+    try:
+        mine: Answer | StageError = compute()
+    except Exception as error:  # sent to the other stages, then raised
+        failure = error
+        mine = StageError(f"{type(error).__name__}: {error}")
+    everyone: list[Any] = [None] * pp_group.world_size
+    dist.all_gather_object(everyone, mine, group=pp_group.cpu_group)
+    failed = [(n, a) for n, a in enumerate(everyone) if isinstance(a, StageError)]
+    if failed:
+        raise StagesCouldNotAnswer(
+            "Pipeline stages could not compare their hand-off settings: "
+            + "; ".join(f"stage {n}: {answer.message}" for n, answer in failed)
+        ) from failure
+    return everyone
+
+
+def differences(everyone: list[dict[str, Any]], keys: tuple[str, ...]) -> list[str]:
+    return [
+        f"{key}: " + ", ".join(f"stage {n}={s[key]}" for n, s in enumerate(everyone))
+        for key in keys
+        if any(s[key] != everyone[0][key] for s in everyone)
+    ]
+
+
+def aux_slot_problems(everyone: list[dict[str, Any]]) -> list[str]:
+    problems = []
+    for stage in range(len(everyone) - 1):
+        sent = everyone[stage]["aux_slots_sent"]
+        expected = everyone[stage + 1]["aux_slots_received"]
+        if sent != expected:
+            problems.append(
+                f"aux_hidden_state_slots: stage {stage} sends {sent}, "
+                f"stage {stage + 1} expects {expected}"
+            )
+    return problems
+
+
+def warm_up_problems(everyone: list[dict[str, Any]]) -> list[str]:
+    """Warm-up steps differ only where some stage runs them."""
+    if not any(s["warm_up"]["enable_jit_warmup"] for s in everyone):
+        return []
+    return differences(everyone, ("warm_up",))
+
+
+def padding_problem(
+    shapes: list[BatchShape], rows: list[list[tuple[int, int | None]]]
+) -> str | None:
+    """The first batch one stage hands on in rows the next refuses: the
+    runner's own rule (``accepts_hand_off``), for every batch it dispatches."""
+    for i, shape in enumerate(shapes):
+        for stage in range(len(rows) - 1):
+            sent_tokens, declared = rows[stage][i]
+            sent = sent_tokens if declared is None else declared
+            num_tokens, expected = rows[stage + 1][i]
+            if not accepts_hand_off(sent, num_tokens, expected):
+                wants = f"at least {num_tokens}" if expected is None else expected
+                return (
+                    f"batch_padding: {shape} is dispatched as {sent_tokens} "
+                    f"tokens on stage {stage}, which sends {sent} rows, and as "
+                    f"{num_tokens} on stage {stage + 1}, which expects {wants}"
+                )
+    return None
+
+
+def check_pp_hand_off_agreement(
+    vllm_config: VllmConfig, model: nn.Module, model_runner: object
+) -> None:
+    """Raise on every stage unless all PP stages would hand off alike; log
+    the differences that cannot break a hand-off."""
+    if get_pp_group().world_size == 1:
+        return
+    # A silent or foreign stage would leave the rounds below waiting.
+    announce_and_wait()
+    paddings: list[RunnerPadding] = []
+
+    def settings() -> dict[str, Any]:
+        paddings.append(RunnerPadding(vllm_config, model_runner))
+        return pp_hand_off_settings(vllm_config, model, paddings[0])
+
+    everyone = gather_from_stages(settings)
+    shapes = batch_shapes(
+        max(s["batch_shapes"][0] for s in everyone),
+        max(s["batch_shapes"][1] for s in everyone),
+        sorted({count for s in everyone for count in s["batch_shapes"][2]}),
+    )
+    sequence_parallel = any(s["sequence_parallel"] for s in everyone)
+    try:
+        rows = gather_from_stages(lambda: hand_off_rows(model, paddings[0], shapes))
+    except StagesCouldNotAnswer as error:
+        if sequence_parallel:
+            raise
+        # Without SP a runner whose padding cannot be asked (an out-of-tree
+        # dispatcher) starts as it did in 0.33.0, which compared nothing.
+        logger.warning("%s; batch padding not compared.", error)
+        rows = None
+
+    problems = differences(everyone, REFUSED) + aux_slot_problems(everyone)
+    problems += warm_up_problems(everyone)
+    if not problems and rows and (problem := padding_problem(shapes, rows)):
+        problems.append(problem)
+    shown = differences(everyone, SHOWN)
+    if not problems:
+        if shown:
+            logger.warning(
+                "Pipeline stages differ in %s; their hand-offs still agree.",
+                "; ".join(shown),
+            )
+        return
+    keys = [text.split(":", 1)[0] for text in problems + shown]
+    options = ", ".join(dict.fromkeys(name for key in keys for name in OPTIONS[key]))
+    hint = CUDAGRAPH_MODE_HINT if "batch_padding" in keys else ""
+    raise RuntimeError(
+        "Pipeline stages disagree on their hand-off and would hang or mix rows "
+        f"at the first one ({'; '.join(problems + shown)}). Start every node "
+        f"with the same {options}.{hint}"
+    )
