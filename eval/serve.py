@@ -5,7 +5,8 @@
         --checkpoint /models/Kimi-K3 --master-addr 10.0.0.1 --host-ip 10.0.0.1 \\
         --deepgemm /opt/DeepGEMM
 
-(from this checkout's root, with Python 3.11 or newer, as vLLM 0.33.0 needs:
+(from this checkout's root, with Python 3.11 or newer, as vLLM 0.33.0 and
+0.34.0 need:
 ``make serve`` runs it with the serving interpreter, ``SERVE_PYTHON``) prints
 the command (environment included) as the arms file defines it for that node,
 after checking that the vLLM of ``--python`` defines every ``VLLM_*`` variable
@@ -26,9 +27,9 @@ import sys
 
 if sys.version_info < (3, 11):  # noqa: UP036 -- before tomllib, named below
     sys.exit(
-        "eval.serve needs Python 3.11 or newer, as vLLM 0.33.0 does; "
+        "eval.serve needs Python 3.11 or newer, as vLLM 0.33.0 and 0.34.0 do; "
         f"{sys.executable} is {sys.version.split()[0]}. Run it with the python "
-        "of the environment that serves vLLM 0.33.0: `make serve "
+        "of the environment that serves vLLM: `make serve "
         "SERVE_PYTHON=/path/to/bin/python` (default: this checkout's .venv)."
     )
 
@@ -200,6 +201,10 @@ def load_arms() -> tuple[dict, dict[str, Arm]]:
     }
     flags = {words[0] for words in data["serve"]["args"]}
     names = {name for name, _ in data["serve"]["env"]}
+    if unknown := sorted(set(data["serve"].get("where_defined", ())) - names):
+        raise ServeError(
+            f"{ARMS_FILE}: where_defined names unknown variables {unknown}"
+        )
     for arm in arms.values():
         if unknown := sorted(set(arm.drop) - flags):
             raise ServeError(
@@ -372,6 +377,18 @@ def defined_env(command: ServeCommand, python: str) -> frozenset[str]:
     if probe.returncode != 0:
         raise ServeError(no_vllm(python, last_line(probe, "no answer")))
     return frozenset(probe.stdout.split())
+
+
+def for_serving_vllm(command: ServeCommand, defined: frozenset[str]) -> ServeCommand:
+    """The command without the variables of ``where_defined`` (arms file) that
+    the serving vLLM does not define: a release that dropped one (0.34.0's
+    VLLM_USE_V2_MODEL_RUNNER) gets a command without it."""
+    serve, _ = load_arms()
+    absent = set(serve.get("where_defined", ())) - defined
+    return ServeCommand(
+        tuple((name, value) for name, value in command.env if name not in absent),
+        command.argv,
+    )
 
 
 def undefined_env(
@@ -632,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--python",
         default=str(PROJECT_DIR / ".venv" / "bin" / "python"),
-        help="python of the environment that serves vLLM 0.33.0 (default: .venv's)",
+        help="python of the environment that serves vLLM (default: .venv's)",
     )
     parser.add_argument(
         "--served",
@@ -652,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
         arm = get_arm(args.arm)
         command = build(args.arm, {k: getattr(args, k) for k in PLACEHOLDERS})
         defined = defined_env(command, args.python)
+        command = for_serving_vllm(command, defined)
     except ServeError as error:
         print(f"serve: {error}", file=sys.stderr)
         return 1

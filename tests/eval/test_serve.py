@@ -110,6 +110,7 @@ def test_the_renamed_variable_is_the_seeds_and_only_the_new_name_is_defined():
 def test_every_variable_of_the_arm_is_defined_by_the_installed_vllm(arm):
     command = serve.build(arm, {**VALUES, "node_rank": "0"})
     defined = serve.defined_env(command, sys.executable)
+    command = serve.for_serving_vllm(command, defined)
     accepted = serve.get_arm(arm).undefined_env
     assert serve.undefined_env(command, defined, sys.executable, accepted) == []
     # Only the verbatim arm sets a name 0.33.0 does not read: the seed's.
@@ -122,6 +123,7 @@ def test_the_seeds_variable_is_refused_naming_the_one_meant():
     env, argv = seed_command(0)
     seed = serve.ServeCommand(tuple(env), tuple(argv))
     defined = serve.defined_env(seed, sys.executable)
+    seed = serve.for_serving_vllm(seed, defined)
     (problem,) = serve.undefined_env(seed, defined, "py")
     assert problem.startswith("VLLM_KIMI_K3_GEMM_RS (eval/arms.toml) is not a ")
     assert "VLLM_ENABLE_GEMM_RS" in problem.split("closest defined: ")[1]
@@ -331,6 +333,20 @@ def test_printing_says_nothing_was_started(tmp_path):
         "serve: printed only, nothing was started; RUN=1 (--run) checks this "
         "node and then starts it\n"
     )
+
+
+@pytest.mark.parametrize("release", ["0.33.0", "0.34.0"])
+def test_the_v2_runner_switch_is_set_only_where_the_serving_vllm_defines_it(
+    tmp_path, release
+):
+    # 0.34.0 removed the legacy runner and VLLM_USE_V2_MODEL_RUNNER with it.
+    defines = arm_env_names()
+    if release == "0.34.0":
+        defines.remove("VLLM_USE_V2_MODEL_RUNNER")
+    result = serve_cli(fake_python(tmp_path, defines=defines))
+    assert result.returncode == 0, result.stderr
+    assert ("VLLM_USE_V2_MODEL_RUNNER=1" in result.stdout) == (release == "0.33.0")
+    assert "VLLM_USE_RUST_FRONTEND=1" in result.stdout
 
 
 @pytest.mark.parametrize("run", [False, True], ids=["print", "run"])

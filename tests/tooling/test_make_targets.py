@@ -64,10 +64,12 @@ def test_make_serve_on_python_3_10_says_what_it_needs(tmp_path):
     assert result.returncode != 0 and result.stdout == ""
     line = result.stderr.splitlines()[0]
     # Named by the interpreter the stub runs, which reports 3.10.12.
-    assert line.startswith("eval.serve needs Python 3.11 or newer, as vLLM 0.33.0")
+    assert line.startswith(
+        "eval.serve needs Python 3.11 or newer, as vLLM 0.33.0 and 0.34.0 do"
+    )
     assert line.endswith(
-        " is 3.10.12. Run it with the python of the environment that serves vLLM "
-        "0.33.0: `make serve SERVE_PYTHON=/path/to/bin/python` (default: this "
+        " is 3.10.12. Run it with the python of the environment that serves "
+        "vLLM: `make serve SERVE_PYTHON=/path/to/bin/python` (default: this "
         "checkout's .venv)."
     )
 
