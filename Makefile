@@ -36,15 +36,17 @@
 #                       manifest, resumable: ARM= BASE_URL= CHECKPOINT=
 #                       [SWEEP=prefill,decode|all|none] [LIMIT=] [REPEAT=N]
 #                       [POINTS=] [SERVED_MODEL=Kimi-K3] [GSM8K_DATA=dir]
+#                       [SEED=N: lm-eval's and the bench client's]
 #   make gsm8k          GSM8K with lm-eval against a running arm: ARM=
 #                       BASE_URL= [SERVED_MODEL=Kimi-K3] [LIMIT=]
-#                       [GSM8K_DATA=dir] [FORCE=1]
+#                       [SEED=0,1234,1234,1234] [GSM8K_DATA=dir] [FORCE=1]
 #   make gsm8k-compare  table and paired verdict per arm [BASELINE=fi-ep]
 #   make bench          a throughput sweep against a running arm: ARM=
 #                       BASE_URL= CHECKPOINT= [TOKENIZER=, default CHECKPOINT]
 #                       [SWEEP=prefill|decode|mixed|all] [POINTS=128x1,8192x4]
 #                       [REPEAT=N: every point N times, N x the time]
-#                       [SERVED_MODEL=Kimi-K3] [ALLOW_PREFIX_CACHING=1]
+#                       [SERVED_MODEL=Kimi-K3] [SEED=2026]
+#                       [ALLOW_PREFIX_CACHING=1]
 #   make bench-report   per sweep: tables (means over runs), verdicts, JSON
 #                       summary and plots from results/bench
 #   make gpu-bundle     build/gpu-bundle/: patched vLLM sources, wheels, test
@@ -54,6 +56,12 @@
 #                       or "--jobs N" on more cores; hours on 2 cores)
 #   make setup          only the pinned .venv
 #
+# MODEL= is the checkpoint directory, as the seed exports it (CHECKPOINT= is
+# the same, and wins): the Python tools' --checkpoint. Their --model is the
+# served model name, as `vllm bench serve`'s --model and lm-eval's model=:
+# make's SERVED_MODEL=. TOKENIZER=, BASE_URL=, SEED= and LIMIT= are their
+# --tokenizer, --base-url, --seed and --limit, in those tools' meanings
+# (.venv/bin/python -m eval.bench run --help, eval.gsm8k run --help).
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
 # (site-packages, venv, checkout root or the vllm/ package) instead of .venv,
 # and tells evaluate, gsm8k and bench whose patch state to record; for rebase
@@ -234,22 +242,24 @@ serve:
 		--host-ip "$(HOST_IP)" --deepgemm "$(DEEPGEMM)" --python "$(SERVE_PYTHON)" \
 		$(if $(RUN),--run)
 
-# The checkpoint (CHECKPOINT=, or MODEL= as the seed exports it) and the served
-# model name (SERVED_MODEL=) are two variables; the clients refuse a MODEL= that
-# is not a path, naming SERVED_MODEL=.
-MODEL_NAMES = $(if $(SERVED_MODEL),--served-model-name "$(SERVED_MODEL)") \
-	$(if $(CHECKPOINT),--checkpoint "$(CHECKPOINT)") $(if $(MODEL),--model "$(MODEL)")
+# The clients' options in `vllm bench serve`'s meanings: the served model name
+# (SERVED_MODEL=) is their --model; the checkpoint (CHECKPOINT=, or MODEL= as
+# the seed exports it) is --checkpoint, the bench's tokenizer unless TOKENIZER=
+# names another. A MODEL= that is not a path is refused, naming SERVED_MODEL=.
+CLIENT_OPTIONS = $(if $(SERVED_MODEL),--model "$(SERVED_MODEL)") \
+	$(if $(or $(CHECKPOINT),$(MODEL)),--checkpoint "$(or $(CHECKPOINT),$(MODEL))") \
+	$(if $(TOKENIZER),--tokenizer "$(TOKENIZER)") $(if $(SEED),--seed "$(SEED)")
 
 evaluate: setup
-	$(VPY) -m eval.evaluate --arm "$(ARM)" --base-url "$(BASE_URL)" $(MODEL_NAMES) \
-		$(if $(TOKENIZER),--tokenizer "$(TOKENIZER)") $(if $(SWEEP),--sweeps "$(SWEEP)") \
+	$(VPY) -m eval.evaluate --arm "$(ARM)" --base-url "$(BASE_URL)" $(CLIENT_OPTIONS) \
+		$(if $(SWEEP),--sweeps "$(SWEEP)") \
 		$(if $(POINTS),--points "$(POINTS)") $(if $(REPEAT),--repeat "$(REPEAT)") \
 		$(if $(LIMIT),--limit $(LIMIT)) $(if $(GSM8K_DATA),--data "$(GSM8K_DATA)") \
 		$(if $(VLLM),--target "$(VLLM)") $(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
 
 gsm8k: setup
 	$(VPY) -m eval.gsm8k run --arm "$(ARM)" --base-url "$(BASE_URL)" \
-		$(MODEL_NAMES) $(if $(LIMIT),--limit $(LIMIT)) \
+		$(CLIENT_OPTIONS) $(if $(LIMIT),--limit $(LIMIT)) \
 		$(if $(GSM8K_DATA),--data "$(GSM8K_DATA)") $(if $(VLLM),--target "$(VLLM)") \
 		$(if $(FORCE),--force)
 
@@ -258,8 +268,8 @@ gsm8k-compare: setup
 	$(VPY) -m eval.gsm8k compare --baseline $(BASELINE)
 
 bench: setup
-	$(VPY) -m eval.bench run --arm "$(ARM)" --base-url "$(BASE_URL)" $(MODEL_NAMES) \
-		$(if $(TOKENIZER),--tokenizer "$(TOKENIZER)") $(if $(SWEEP),--sweep "$(SWEEP)") \
+	$(VPY) -m eval.bench run --arm "$(ARM)" --base-url "$(BASE_URL)" $(CLIENT_OPTIONS) \
+		$(if $(SWEEP),--sweep "$(SWEEP)") \
 		$(if $(POINTS),--points "$(POINTS)") $(if $(REPEAT),--repeat "$(REPEAT)") \
 		$(if $(VLLM),--target "$(VLLM)") $(if $(ALLOW_PREFIX_CACHING),--allow-prefix-caching)
 

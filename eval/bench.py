@@ -2,12 +2,16 @@
 """Throughput sweeps per serving arm (prefill, decode, mixed), and their report.
 
     .venv/bin/python -m eval.bench run --arm mega-sp --base-url http://head:8691 \\
-        --checkpoint /models/Kimi-K3 [--sweep decode] [--points 1024x8]
+        --model Kimi-K3 --tokenizer /models/Kimi-K3 [--sweep decode] [--points 1024x8]
     .venv/bin/python -m eval.bench report
 
 from this checkout's root (``make bench`` and ``make bench-report`` run
 these): ``run`` takes ``vllm`` from beside the interpreter unless ``--vllm``
-names one, and ``report`` plots with matplotlib.
+names one, and ``report`` plots with matplotlib. The options ``run`` shares
+with ``vllm bench serve`` (``--base-url``, ``--model``, ``--served-model-name``,
+``--tokenizer``, ``--seed``) mean what they mean there, and the client gets
+the name requests carry as ``--model`` and the tokenizer as ``--tokenizer``:
+the seed's ``--model Kimi-K3 --tokenizer "$MODEL"`` works here unchanged.
 
 Sweeps (``SWEEPS``): ``prefill`` is the upstream pull request's sweep, its
 points and flags unchanged (output one token, so total token throughput is
@@ -47,11 +51,12 @@ from pathlib import Path
 
 from eval import serve
 from eval.openai_server import (
+    OptionError,
     ServerError,
     add_server_arguments,
     check_server,
     prefix_caching,
-    resolve_model_names,
+    resolve_server_arguments,
 )
 from eval.provenance import provenance
 
@@ -64,6 +69,7 @@ RESULTS_DIR = PROJECT_DIR / "results" / "bench"
 # client, the one the pull request measured with.
 CLIENT_ENV = {"VLLM_USE_RUST_BENCH": "0"}
 WAVES = 3  # measured waves per point
+SEED = 2026  # the pull request's --seed
 
 
 @dataclass(frozen=True, order=True)
@@ -226,9 +232,11 @@ def bench_command(
     tokenizer: str,
     result_dir: Path,
     run: int = 1,
+    seed: int = SEED,
 ) -> list[str]:
     """``vllm bench serve`` for one run of a point, with the pull request's
-    flags."""
+    flags: ``model`` is the name requests carry, ``tokenizer`` the
+    checkpoint's, as in the seed's ``run_point``."""
     return [
         "vllm", "bench", "serve",
         "--backend", "openai-chat",
@@ -249,7 +257,7 @@ def bench_command(
         "--temperature", "0",
         "--percentile-metrics", point.percentile_metrics,
         "--metric-percentiles", "50,90,95,99",
-        "--seed", "2026",
+        "--seed", str(seed),
         "--save-result",
         "--result-dir", str(result_dir),
         "--result-filename", point.run_filename(run),
@@ -275,8 +283,9 @@ def write_manifest(
             "arm": arm.name,
             "label": arm.label,
             "base_url": args.base_url,
-            "model": args.served_model_name,
+            "model": args.model_name,
             "tokenizer": args.tokenizer,
+            "checkpoint": args.checkpoint,
             **serve.served_as(arm.name, args.served),
         }
     )
@@ -287,6 +296,7 @@ def write_manifest(
             "prefix_caching": args.prefix_caching,
             "points": [str(p) for p in points],
             "repeat": args.repeat,
+            "seed": args.seed,
             "client_env": CLIENT_ENV,
             **provenance(args.target),
         }
@@ -301,13 +311,13 @@ def selected(args: argparse.Namespace) -> list[tuple[Sweep, list[Point]]]:
             f"REPEAT={args.repeat} (--repeat): each point runs at least once; "
             "set 1 (the default) or more, e.g. REPEAT=3"
         )
-    resolve_model_names(args)
-    args.tokenizer = args.tokenizer or args.checkpoint
+    resolve_server_arguments(args)
     if not args.tokenizer:
         raise BenchError(
             "no tokenizer: set CHECKPOINT= to the served model's directory "
             "(vllm bench serve builds the random prompts with its tokenizer), "
-            "e.g. CHECKPOINT=/models/Kimi-K3; TOKENIZER= overrides it"
+            "e.g. CHECKPOINT=/models/Kimi-K3; TOKENIZER= overrides it "
+            "(--checkpoint, --tokenizer)"
         )
     names = list(SWEEPS) if args.sweep == "all" else [args.sweep]
     if args.points and len(names) > 1:
@@ -348,7 +358,7 @@ def run_point(
     """One ``vllm bench serve``: its saved result, or the sweep stops here."""
     path = out / point.run_filename(run)
     command = bench_command(
-        point, args.base_url, args.served_model_name, args.tokenizer, out, run
+        point, args.base_url, args.model_name, args.tokenizer, out, run, args.seed
     )
     proc = subprocess.run([args.vllm, *command[1:]], env={**os.environ, **CLIENT_ENV})
     if proc.returncode != 0 or not finished(path, point):
@@ -385,9 +395,8 @@ def progress(
 def run(args: argparse.Namespace) -> int:
     arm = serve.get_arm(args.arm)
     plan = selected(args)
-    args.base_url = args.base_url.rstrip("/")
-    version = check_server(args.base_url, args.served_model_name, arm.name)
-    caching, args.prefix_caching = prefix_caching(args.base_url, args.served_model_name)
+    version = check_server(args.base_url, args.model_name, arm.name)
+    caching, args.prefix_caching = prefix_caching(args.base_url, args.model_name)
     if caching is not False and not args.allow_prefix_caching:
         state = "has prefix caching on" if caching else "does not say if it caches"
         raise BenchError(
@@ -961,9 +970,11 @@ def main(argv: list[str] | None = None) -> int:
     run_parser = sub.add_parser("run", help="a sweep for one arm")
     add_server_arguments(run_parser)
     run_parser.add_argument(
-        "--tokenizer",
-        default="",
-        help="the served model's tokenizer, path or name (default: --checkpoint)",
+        "--seed",
+        type=int,
+        default=SEED,
+        help="vllm bench serve's --seed, which seeds its random prompts "
+        f"(make: SEED=; default {SEED}, the pull request's)",
     )
     run_parser.add_argument(
         "--sweep",
@@ -999,7 +1010,7 @@ def main(argv: list[str] | None = None) -> int:
     except Interrupted as error:
         print(f"bench: {error}", file=sys.stderr)
         return 130
-    except (BenchError, ServerError, serve.ServeError) as error:
+    except (BenchError, OptionError, ServerError, serve.ServeError) as error:
         print(f"bench: {error}", file=sys.stderr)
         return 1
 

@@ -3,9 +3,13 @@
 
     .venv/bin/python -m eval.evaluate --arm mega-sp \\
         --base-url http://127.0.0.1:8691 --checkpoint /models/Kimi-K3 \\
-        [--sweeps prefill,decode|all|none] [--limit 200] [--repeat 2]
+        [--model Kimi-K3] [--sweeps prefill,decode|all|none] [--limit 200] \\
+        [--repeat 2] [--seed N]
 
-from this checkout's root (``make evaluate`` runs it). Kimi K3 takes minutes
+from this checkout's root (``make evaluate`` runs it). Its options mean what
+they mean in ``eval.gsm8k run`` and ``eval.bench run``, which it hands them
+to (``--model`` the served name, ``--tokenizer`` the bench client's, as in
+``vllm bench serve``). Kimi K3 takes minutes
 to start on two nodes, so each arm is started once and evaluated whole against
 that server: ``gsm8k run``, then ``bench run`` for each sweep, in order, each
 writing its results and manifest where ``make gsm8k-compare`` and ``make
@@ -26,10 +30,11 @@ from pathlib import Path
 
 from eval import bench, gsm8k, serve
 from eval.openai_server import (
+    OptionError,
     ServerError,
     add_server_arguments,
     check_server,
-    resolve_model_names,
+    resolve_server_arguments,
 )
 from eval.provenance import provenance
 
@@ -58,15 +63,23 @@ def parse_sweeps(text: str) -> list[str]:
 
 
 def common_options(args: argparse.Namespace) -> list[str]:
-    """The options ``gsm8k`` and ``bench`` share: where, against what."""
+    """The options ``gsm8k`` and ``bench`` share: where, against what, as
+    resolved here. The name requests carry goes as ``--served-model-name``,
+    which takes any name (``--model`` refuses a path)."""
     options = [
         "--arm", args.arm,
         "--base-url", args.base_url,
-        "--served-model-name", args.served_model_name,
+        "--served-model-name", args.model_name,
         "--served", str(args.served),
     ]  # fmt: skip
-    if args.target:
-        options += ["--target", args.target]
+    for flag, value in (
+        ("--checkpoint", args.checkpoint),
+        ("--tokenizer", args.tokenizer),
+        ("--seed", args.seed),
+        ("--target", args.target),
+    ):
+        if value not in (None, ""):
+            options += [flag, str(value)]
     return options
 
 
@@ -82,7 +95,6 @@ def steps(args: argparse.Namespace) -> list[tuple[str, list[str]]]:
     for sweep in args.sweeps:
         bench_argv = [
             "--results", str(args.results / "bench"), "run", *shared,
-            "--tokenizer", args.tokenizer or args.checkpoint,
             "--sweep", sweep, "--repeat", str(args.repeat),
         ]  # fmt: skip
         if args.points:
@@ -107,10 +119,9 @@ def write(path: Path, manifest: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    resolve_model_names(args)
-    args.base_url = args.base_url.rstrip("/")
+    resolve_server_arguments(args)
     serve.get_arm(args.arm)
-    if args.sweeps and not (args.tokenizer or args.checkpoint):
+    if args.sweeps and not args.tokenizer:
         raise EvaluateError(
             "no tokenizer for the bench sweeps: set CHECKPOINT= to the served "
             "model's directory (TOKENIZER= overrides it), or SWEEP=none for "
@@ -119,15 +130,16 @@ def run(args: argparse.Namespace) -> int:
     if args.points and len(args.sweeps) != 1:
         raise EvaluateError("POINTS picks points of one sweep: set SWEEP= to one")
     planned = steps(args)
-    version = check_server(args.base_url, args.served_model_name, args.arm)
+    version = check_server(args.base_url, args.model_name, args.arm)
     path = args.results / "evaluate" / f"{args.arm}.json"
     manifest = json.loads(path.read_text()) if path.is_file() else {"runs": []}
     manifest.update(
         {
             "arm": args.arm,
             "base_url": args.base_url,
-            "model": args.served_model_name,
+            "model": args.model_name,
             "checkpoint": args.checkpoint,
+            "tokenizer": args.tokenizer,
             **serve.served_as(args.arm, args.served),
         }
     )
@@ -192,9 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         "mixed), all, or none (default: prefill, the pull request's)",
     )
     parser.add_argument(
-        "--tokenizer",
-        default="",
-        help="the bench client's tokenizer, path or name (default: --checkpoint)",
+        "--seed",
+        type=int,
+        help="one integer for both tools, in each one's meaning: lm-eval's "
+        "--seed (all four of its seeds) and vllm bench serve's (its random "
+        "prompts) (make: SEED=; default: each tool's, "
+        f"{gsm8k.SEED} and {bench.SEED})",
     )
     parser.add_argument(
         "--points", help="a subset of the one sweep's points, e.g. 128x1,8192x4"
@@ -212,7 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         help="bench a server that caches prefixes or does not say",
     )
     parser.add_argument(
-        "--limit", type=int, help="only the first LIMIT GSM8K questions"
+        "--limit",
+        type=gsm8k.lm_eval_limit,
+        help="lm-eval's --limit: only the first LIMIT GSM8K questions, or below "
+        "1 that fraction of them (make: LIMIT=)",
     )
     parser.add_argument(
         "--data", type=Path, help="directory with GSM8K's train.jsonl and test.jsonl"
@@ -221,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args.sweeps = parse_sweeps(args.sweeps)
         return run(args)
-    except (EvaluateError, ServerError, serve.ServeError) as error:
+    except (EvaluateError, OptionError, ServerError, serve.ServeError) as error:
         print(f"evaluate: {error}", file=sys.stderr)
         return 1
 

@@ -2,12 +2,15 @@
 """GSM8K per serving arm with lm-eval, and a paired verdict across arms.
 
     .venv/bin/python -m eval.gsm8k run --arm mega-sp --base-url http://head:8691 \\
-        [--served-model-name Kimi-K3] [--limit 200] [--data DIR]
+        [--model Kimi-K3] [--limit 200] [--seed 0,1234,1234,1234] [--data DIR]
     .venv/bin/python -m eval.gsm8k compare [--baseline fi-ep]
 
 from this checkout's root (``make gsm8k`` and ``make gsm8k-compare`` run
 these), with the interpreter that has lm-eval and scipy: ``run`` starts
-lm-eval with it.
+lm-eval with it. ``--model`` is the served model name (lm-eval's
+``model_args`` ``model=``, ``vllm bench serve``'s ``--model``), ``--base-url``
+the server's root (``vllm bench serve``'s; lm-eval's ``base_url=`` is it with
+``/v1/completions``), and ``--limit`` and ``--seed`` are lm-eval's own.
 
 ``run`` checks that the server answers ``/v1/models`` with the model, then
 runs lm-eval's ``gsm8k`` task (5-shot, greedy) through ``local-completions``
@@ -29,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -37,10 +41,11 @@ from pathlib import Path
 
 from eval import serve
 from eval.openai_server import (
+    OptionError,
     ServerError,
     add_server_arguments,
     check_server,
-    resolve_model_names,
+    resolve_server_arguments,
 )
 from eval.provenance import provenance
 
@@ -51,7 +56,7 @@ RESULTS_DIR = PROJECT_DIR / "results" / "gsm8k"
 TASK = "gsm8k"
 LOCAL_TASK = "gsm8k_local"  # the same task over local train/test files
 NUM_FEWSHOT = 5
-SEED = "0,1234,1234,1234"  # lm-eval: python, numpy, torch, few-shot sampler
+SEED = "0,1234,1234,1234"  # lm-eval's default: python, numpy, torch, few-shot
 NUM_CONCURRENT = 16
 MAX_GEN_TOKS = 512
 REQUEST_TIMEOUT_S = 1200
@@ -66,6 +71,43 @@ Z_ONE_SIDED_95 = 1.6448536269514722
 
 class GSM8KError(Exception):
     """A run or comparison that cannot proceed, with what to do."""
+
+
+def lm_eval_seed(text: str) -> str:
+    """lm-eval's ``--seed``, its four seeds written out: one integer for all
+    four, or three or four comma-separated integers or ``None`` (a missing
+    fourth is lm-eval's default's)."""
+    seeds = [item.strip() for item in text.split(",")]
+    if len(seeds) == 1:
+        seeds *= 4
+    elif len(seeds) == 3:
+        seeds.append(SEED.split(",")[3])
+    if len(seeds) != 4 or not all(
+        seed.lower() == "none" or re.fullmatch(r"[+-]?\d+", seed) for seed in seeds
+    ):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: lm-eval's --seed is one integer for all four seeds, or "
+            "four comma-separated integers or None (python, numpy, torch, "
+            f"few-shot), e.g. {SEED}"
+        )
+    return ",".join("None" if seed.lower() == "none" else seed for seed in seeds)
+
+
+def lm_eval_limit(text: str) -> int | float:
+    """lm-eval's ``--limit``: a number of questions, or below 1 a fraction
+    of them."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if 0 < value < 1:
+        return value
+    if value >= 1 and value.is_integer():
+        return int(value)
+    raise argparse.ArgumentTypeError(
+        f"{text!r}: lm-eval's --limit is a number of questions (e.g. 200) or a "
+        "fraction of them below 1 (e.g. 0.1)"
+    )
 
 
 # -- run -----------------------------------------------------------------
@@ -100,8 +142,15 @@ def local_task_yaml(data_dir: Path) -> str:
 
 
 def lm_eval_args(
-    base_url: str, model: str, out: Path, limit: int | None, include: Path | None
+    base_url: str,
+    model: str,
+    out: Path,
+    limit: int | float | None,
+    include: Path | None,
+    seed: str = SEED,
 ) -> list[str]:
+    """lm-eval's command line: ``model`` is the served name, ``base_url``
+    the server's root."""
     model_args = ",".join(
         [
             f"model={model}",
@@ -122,7 +171,7 @@ def lm_eval_args(
         "--tasks", LOCAL_TASK if include else TASK,
         "--num_fewshot", str(NUM_FEWSHOT),
         "--batch_size", "1",
-        "--seed", SEED,
+        "--seed", seed,
         "--log_samples",
         "--output_path", str(out),
     ]  # fmt: skip
@@ -134,9 +183,9 @@ def lm_eval_args(
 
 
 def run(args: argparse.Namespace) -> int:
-    resolve_model_names(args)
+    resolve_server_arguments(args)
     arm = serve.get_arm(args.arm)
-    base_url = args.base_url.rstrip("/")
+    base_url = args.base_url
     out = args.results / arm.name
     if (out / "manifest.json").exists():
         if not args.force:
@@ -146,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             )
         shutil.rmtree(out.with_name(f"{arm.name}.prev"), ignore_errors=True)
         out.rename(out.with_name(f"{arm.name}.prev"))
-    model = args.served_model_name
+    model = args.model_name
     served_version = check_server(base_url, model, arm.name)
     out.mkdir(parents=True, exist_ok=True)
     include = None
@@ -154,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
         include = out / "task"
         include.mkdir(exist_ok=True)
         (include / f"{LOCAL_TASK}.yaml").write_text(local_task_yaml(args.data))
-    lm_args = lm_eval_args(base_url, model, out / "lm_eval", args.limit, include)
+    lm_args = lm_eval_args(
+        base_url, model, out / "lm_eval", args.limit, include, args.seed
+    )
     command = [sys.executable, "-m", "lm_eval", *lm_args]
     print(
         f"gsm8k: arm {arm.name} ({arm.label}) against {base_url}, model "
@@ -170,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         "label": arm.label,
         "base_url": base_url,
         "model": model,
+        "checkpoint": args.checkpoint,
         "served_vllm_version": served_version,
         **serve.served_as(arm.name, args.served),
         "lm_eval": {
@@ -178,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
             "results": str(results_file.relative_to(out)),
             "samples": str(samples_file.relative_to(out)),
         },
-        "settings": settings(),
+        "settings": settings(args.seed),
         "data": str(args.data.resolve()) if args.data else "hub: openai/gsm8k",
         **provenance(args.target),
     }
@@ -192,10 +244,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def settings() -> dict:
+def settings(seed: str = SEED) -> dict:
     return {
         "num_fewshot": NUM_FEWSHOT,
-        "seed": SEED,
+        "seed": seed,
         "num_concurrent": NUM_CONCURRENT,
         "max_gen_toks": MAX_GEN_TOKS,
     }
@@ -305,6 +357,7 @@ def comparable(base: ArmRun, other: ArmRun) -> list[str]:
     for key in sorted(set(a) | set(b)):
         if a.get(key) != b.get(key):
             label = "few-shot settings" if "fewshot" in key else "generation settings"
+            label = "seeds (lm-eval's --seed)" if key == "seed" else label
             reasons.append(f"{label}: {key} {a.get(key)} vs {b.get(key)}")
     return reasons
 
@@ -489,7 +542,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_server_arguments(run_parser)
     run_parser.add_argument(
-        "--limit", type=int, help="only the first LIMIT questions (default: all)"
+        "--limit",
+        type=lm_eval_limit,
+        help="lm-eval's --limit: only the first LIMIT questions, or below 1 that "
+        "fraction of them (make: LIMIT=; default: all)",
+    )
+    run_parser.add_argument(
+        "--seed",
+        type=lm_eval_seed,
+        default=SEED,
+        help="lm-eval's --seed: python, numpy, torch and few-shot seeds, or one "
+        f"for all four (make: SEED=; default {SEED}, lm-eval's); arms run "
+        "with other seeds are not compared",
     )
     run_parser.add_argument(
         "--data",
@@ -515,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return run(args) if args.command == "run" else compare(args)
-    except (GSM8KError, ServerError, serve.ServeError) as error:
+    except (GSM8KError, OptionError, ServerError, serve.ServeError) as error:
         print(f"gsm8k: {error}", file=sys.stderr)
         return 2 if args.command == "compare" else 1
 

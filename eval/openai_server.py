@@ -15,32 +15,60 @@ from eval.serve import SERVED_DIR
 
 NETWORK_ERRORS = (urllib.error.URLError, OSError, ValueError)
 SERVED_MODEL_NAME = "Kimi-K3"  # the arms' --served-model-name
+# lm-eval's own --model names its client, not the served model: the clients
+# of an OpenAI-compatible server (lm_eval/models/openai_completions.py).
+LM_EVAL_API_MODELS = (
+    "local-completions",
+    "local-chat-completions",
+    "openai-completions",
+    "openai-chat-completions",
+    "azure-openai-chat-completions",
+)
+# Routes the clients add to --base-url (vllm bench serve its --endpoint,
+# lm-eval's base_url= is /v1/completions itself); longest first.
+ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
-    """The options every run against a serving arm takes."""
+    """The options every run against a serving arm takes. Those that
+    ``vllm bench serve`` also takes (``--base-url``, ``--model``,
+    ``--served-model-name``, ``--tokenizer``) mean what they mean there;
+    ``resolve_server_arguments`` reads them as it does."""
     parser.add_argument(
         "--arm", required=True, help="the arm the server runs (eval/arms.toml)"
     )
     parser.add_argument(
-        "--base-url", required=True, help="the server, e.g. http://10.0.0.1:8691"
-    )
-    parser.add_argument(
-        "--served-model-name",
-        default=SERVED_MODEL_NAME,
-        help="the served model name (make: SERVED_MODEL=; default "
-        f"{SERVED_MODEL_NAME})",
-    )
-    parser.add_argument(
-        "--checkpoint",
-        default="",
-        help="the served model's checkpoint directory (make: CHECKPOINT=)",
+        "--base-url",
+        required=True,
+        help="the server's root, as vllm bench serve's --base-url, e.g. "
+        "http://10.0.0.1:8691; the clients add the /v1/... routes",
     )
     parser.add_argument(
         "--model",
-        default="",
-        help="make's MODEL=, the checkpoint directory as in `make serve` and the "
-        "seed; a served model name here is refused, naming SERVED_MODEL=",
+        default=None,
+        help="the served model name, the one every request carries, as vllm "
+        "bench serve's --model and lm-eval's model_args model= (make: "
+        f"SERVED_MODEL=; default {SERVED_MODEL_NAME}); a checkpoint directory "
+        "here is refused, naming --tokenizer and --checkpoint",
+    )
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="as vllm bench serve's: the name requests carry instead of "
+        "--model, which then names the model itself (the tokenizer's default)",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="the tokenizer, path or name, as vllm bench serve's --tokenizer "
+        "(make: TOKENIZER=; default: --model beside --served-model-name, else "
+        "--checkpoint); GSM8K sends text and loads none",
+    )
+    parser.add_argument(
+        "--checkpoint",
+        default=None,
+        help="the served model's checkpoint directory, as `make serve` takes "
+        "it (make: CHECKPOINT=, or MODEL= as the seed exports it)",
     )
     parser.add_argument("--target", help="vLLM whose patch state to record")
     parser.add_argument(
@@ -52,19 +80,68 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def resolve_model_names(args: argparse.Namespace) -> None:
-    """Take ``--model`` (make's MODEL=) as the checkpoint, as ``make serve``
-    does; refuse its old meaning, the served model name, by the new name."""
-    if not args.model:
-        return
-    if "/" not in args.model and not Path(args.model).is_dir():
-        raise ServerError(
-            f"MODEL={args.model} (--model): MODEL= is the checkpoint directory, "
-            "as for `make serve`; the served model name is SERVED_MODEL= "
-            f"(--served-model-name, default {SERVED_MODEL_NAME}): set "
-            f"SERVED_MODEL={args.model} instead"
+def looks_like_a_path(text: str) -> bool:
+    """A directory or file path, not a served name or a hub id."""
+    return text.startswith(("/", "./", "../", "~")) or Path(text).expanduser().is_dir()
+
+
+def resolve_server_arguments(args: argparse.Namespace) -> None:
+    """Read the options ``vllm bench serve`` shares as it reads them: the
+    requests carry ``--served-model-name``, else ``--model``; the tokenizer
+    is ``--tokenizer``, else the model (``--model`` beside
+    ``--served-model-name``, else ``--checkpoint``). Sets ``model_name``
+    (what requests carry), ``tokenizer`` and ``checkpoint``, and refuses the
+    values of another meaning before any server is asked, naming the option
+    they belong to."""
+    args.base_url = args.base_url.rstrip("/")
+    for route in ROUTES:
+        if args.base_url.endswith(route):
+            root = args.base_url.removesuffix(route)
+            raise OptionError(
+                f"--base-url {args.base_url} (make: BASE_URL=) ends in {route}: it "
+                "is the server's root, as vllm bench serve's --base-url, and the "
+                "clients add the routes (lm-eval's base_url= becomes "
+                f"{root}/v1/completions): pass --base-url {root}"
+            )
+    if args.model in LM_EVAL_API_MODELS:
+        raise OptionError(
+            f"--model {args.model} is lm-eval's client (lm_eval --model); here "
+            "--model is the served model name, lm-eval's model_args model= "
+            f"(make: SERVED_MODEL=, default {SERVED_MODEL_NAME}); GSM8K runs "
+            "lm-eval's local-completions itself"
         )
-    args.checkpoint = args.checkpoint or args.model
+    bare = args.checkpoint and "/" not in args.checkpoint
+    if bare and not Path(args.checkpoint).is_dir():
+        raise OptionError(
+            f"--checkpoint {args.checkpoint} (make: CHECKPOINT=, or MODEL= as the "
+            "seed exports it) is no directory: it is the served model's "
+            "checkpoint, as for `make serve`; the served model name is --model "
+            f"(make: SERVED_MODEL=, default {SERVED_MODEL_NAME}): pass --model "
+            f"{args.checkpoint} (SERVED_MODEL={args.checkpoint}) instead"
+        )
+    model_id = None  # vllm bench serve's model: the tokenizer's default
+    if args.served_model_name:
+        args.model_name = args.served_model_name
+        model_id = args.model
+    elif args.model and looks_like_a_path(args.model):
+        raise OptionError(
+            f"--model {args.model} is a path: --model is the served model name, "
+            "the one every request carries, as vllm bench serve's --model and "
+            f"lm-eval's model= (make: SERVED_MODEL=, default {SERVED_MODEL_NAME}). "
+            f"Pass the checkpoint as --tokenizer {args.model}, as vllm bench "
+            f"serve takes it, or --checkpoint {args.model} (make: CHECKPOINT= or "
+            "MODEL=)"
+        )
+    else:
+        args.model_name = args.model or SERVED_MODEL_NAME
+    if model_id and looks_like_a_path(model_id):
+        args.checkpoint = args.checkpoint or model_id
+    args.tokenizer = args.tokenizer or model_id or args.checkpoint or ""
+    args.checkpoint = args.checkpoint or ""
+
+
+class OptionError(Exception):
+    """An option given a value of another meaning, with the option to use."""
 
 
 class ServerError(Exception):
@@ -97,7 +174,7 @@ def check_server(base_url: str, model: str, arm: str) -> str:
     if model not in served:
         raise ServerError(
             f"{url} serves {served}, not {model!r}: set SERVED_MODEL= to the "
-            f"served model name (--served-model-name), or start the arm with: "
+            f"served model name (--model), or start the arm with: "
             f"{serve_hint(arm)}"
         )
     try:

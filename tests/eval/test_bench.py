@@ -570,8 +570,9 @@ def test_refused_before_the_server_is_contacted(monkeypatch, capsys, extra, mess
         ([], "bench: no tokenizer: set CHECKPOINT="),
         (["TOKENIZER=/models/Kimi-K3", "SWEEP=all", "POINTS=128x1"], "bench: POINTS"),
         (["TOKENIZER=/models/Kimi-K3", "REPEAT=0"], "bench: REPEAT=0"),
+        (["MODEL=Kimi-K3"], "(SERVED_MODEL=Kimi-K3) instead"),
     ],
-    ids=["no tokenizer", "points with all sweeps", "no run"],
+    ids=["no tokenizer", "points with all sweeps", "no run", "model a name"],
 )
 def test_make_bench_says_what_is_wrong_before_contacting_the_server(make_vars, message):
     """Nothing listens on port 9: a contacted server would fail otherwise."""

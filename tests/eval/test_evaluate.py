@@ -1,8 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """One start per arm: GSM8K, then the chosen sweeps, against one server;
 a finished step is skipped, a failed one stops the rest, one manifest says
-which ran; MODEL= means the checkpoint, and its old meaning is refused by
-the new name."""
+which ran; the options it shares with the two tools reach each of them in
+their meaning (tests/eval/test_shared_flags.py: what each tool does with
+them)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 
 import pytest
 
-from eval import bench, evaluate, gsm8k, openai_server
+from eval import bench, evaluate, gsm8k
 
 
 @pytest.fixture
@@ -73,18 +74,61 @@ def test_an_unknown_sweep_is_refused_before_the_server(tmp_path, calls, capsys):
     assert seen == []
 
 
-@pytest.mark.parametrize("tool", [evaluate, gsm8k, bench])
-def test_model_as_a_served_name_is_refused_naming_served_model(tool, capsys):
-    argv = ["--arm", "fi-ep", "--base-url", "http://127.0.0.1:9", "--model", "Kimi-K3"]
-    if tool is not evaluate:
-        argv = ["run", *argv]
-    assert tool.main(argv) == 1
-    err = capsys.readouterr().err
-    assert "MODEL= is the checkpoint directory" in err
-    assert "SERVED_MODEL=Kimi-K3" in err
+def option(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
 
 
-def test_model_as_a_path_is_the_checkpoint(tmp_path):
-    args = type("Args", (), {"model": "/models/Kimi-K3", "checkpoint": ""})()
-    openai_server.resolve_model_names(args)
-    assert args.checkpoint == "/models/Kimi-K3"
+@pytest.mark.parametrize(
+    ("flags", "name", "tokenizer", "checkpoint"),
+    [
+        (["--model", "tiny-k3"], "tiny-k3", "/models/Kimi-K3", "/models/Kimi-K3"),
+        (["--tokenizer", "/t"], "Kimi-K3", "/t", "/models/Kimi-K3"),
+        # vllm bench serve's --served-model-name: the name, --model the model.
+        (["--model", "/m", "--served-model-name", "n"], "n", "/m", "/models/Kimi-K3"),
+    ],
+    ids=["model", "tokenizer", "served-model-name"],
+)
+def test_both_tools_get_the_name_tokenizer_and_checkpoint_as_resolved(
+    tmp_path, calls, flags, name, tokenizer, checkpoint
+):
+    """Each tool is handed the name requests carry as --served-model-name
+    (which takes any name, a path one included), and the same tokenizer and
+    checkpoint; the manifest records them."""
+    seen, _ = calls
+    assert evaluate.main(evaluate_argv(tmp_path, *flags)) == 0
+    for tool, argv in seen:
+        got = [option(argv, f) for f in ("--served-model-name", "--tokenizer")]
+        assert got == [name, tokenizer], tool
+        assert option(argv, "--checkpoint") == checkpoint, tool
+        assert option(argv, "--model") is None, tool
+    manifest = json.loads((tmp_path / "evaluate" / "mega-sp.json").read_text())
+    assert (manifest["model"], manifest["tokenizer"]) == (name, tokenizer)
+
+
+@pytest.mark.parametrize(
+    ("flags", "seed", "limit"),
+    [([], None, None), (["--seed", "7", "--limit", "0.5"], "7", "0.5")],
+    ids=["tools-defaults", "given"],
+)
+def test_seed_goes_to_both_tools_and_limit_to_gsm8k(
+    tmp_path, calls, flags, seed, limit
+):
+    """One --seed for lm-eval's four and the bench client's; none given:
+    neither gets one, and each keeps its own default."""
+    seen, _ = calls
+    assert evaluate.main(evaluate_argv(tmp_path, *flags)) == 0
+    (gsm8k_argv,), bench_argvs = [
+        [argv for tool, argv in seen if tool == name] for name in ("gsm8k", "bench")
+    ]
+    assert [option(gsm8k_argv, f) for f in ("--seed", "--limit")] == [seed, limit]
+    assert [option(argv, "--seed") for argv in bench_argvs] == [seed]
+    assert option(bench_argvs[0], "--limit") is None
+
+
+def test_a_seed_only_lm_eval_reads_is_a_usage_error(tmp_path, calls, capsys):
+    seen, _ = calls
+    with pytest.raises(SystemExit) as exit_:
+        evaluate.main(evaluate_argv(tmp_path, "--seed", "0,1234,1234,1234"))
+    assert exit_.value.code == 2
+    assert "argument --seed: invalid int value" in capsys.readouterr().err
+    assert seen == []

@@ -30,6 +30,7 @@ def write_run(
     doc_ids: list[int] | None = None,
     n_shot: int = 5,
     max_gen_toks: int = gsm8k.MAX_GEN_TOKS,
+    seed: str = gsm8k.SEED,
     answer_offset: int = 0,
     dataset: str = "question",
     serve_env: dict[str, str] | None = None,
@@ -72,7 +73,7 @@ def write_run(
     (directory / "lm_eval" / "results.json").write_text(json.dumps(results))
     manifest = {
         "arm": arm,
-        "settings": {**gsm8k.settings(), "max_gen_toks": max_gen_toks},
+        "settings": {**gsm8k.settings(seed), "max_gen_toks": max_gen_toks},
         "serve_env": SERVED_ENV if serve_env is None else serve_env,
         "lm_eval": {
             "results": "lm_eval/results.json",
@@ -192,6 +193,10 @@ def test_other_questions_under_the_same_ids_are_refused(tmp_path, capsys):
     [
         ({"n_shot": 8}, "few-shot settings: n-shot 5 vs 8"),
         ({"max_gen_toks": 256}, "generation settings: max_gen_toks 512 vs 256"),
+        (
+            {"seed": "7,7,7,7"},
+            "seeds (lm-eval's --seed): seed 0,1234,1234,1234 vs 7,7,7,7",
+        ),
     ],
 )
 def test_runs_with_different_settings_are_refused(tmp_path, capsys, changes, message):

@@ -36,13 +36,19 @@ DECODE = bench.Point(64, 2, 4)
 EVALUATED = (SP, REPLICATED)
 
 
+# The options shared with vllm bench serve, in its meanings: the served name
+# as --model, the checkpoint as the seed's --tokenizer on one server and as
+# make's CHECKPOINT= (--checkpoint) on the other.
+CHECKPOINT_FLAG = {SP: "--tokenizer", REPLICATED: "--checkpoint"}
+
+
 def evaluate_argv(layout: str, url: str, model_dir: Path, results: Path) -> list[str]:
     argv = [
         "--results", str(results),
         "--arm", LAYOUTS[layout].arm,
         "--base-url", url,
-        "--served-model-name", "tiny-k3",
-        "--checkpoint", str(model_dir),
+        "--model", "tiny-k3",
+        CHECKPOINT_FLAG[layout], str(model_dir),
         "--served", str(results / "served"),
         "--sweeps", "prefill,decode",
         "--limit", str(LIMIT),
@@ -119,7 +125,7 @@ def evaluations(servers, model_dir, bench_cli, tmp_path_factory):
     "layout",
     [pytest.param(n, marks=pytest.mark.layouts(n), id=n) for n in EVALUATED],
 )
-def test_make_evaluate_against_the_real_server(evaluations, capsys, layout):
+def test_make_evaluate_against_the_real_server(evaluations, model_dir, capsys, layout):
     results, run, (report_code, report) = evaluations[layout]
     arm = LAYOUTS[layout].arm
     assert run.result() == 0
@@ -141,6 +147,9 @@ def test_make_evaluate_against_the_real_server(evaluations, capsys, layout):
     prefill = json.loads((out / PREFILL.filename).read_text())
     decode = json.loads((out / DECODE.filename).read_text())
     assert (prefill["completed"], prefill["failed"]) == (PREFILL.num_prompts, 0)
+    # The real client read --model as the served name, --tokenizer as the
+    # checkpoint: what it saved of each.
+    assert (prefill["model_id"], prefill["tokenizer_id"]) == ("tiny-k3", str(model_dir))
     # The stand-in client of tests/eval writes what the real (Python) one
     # writes (the Rust client, had it run, would have failed the step: it
     # replaces the preloaded fork, see preloaded_vllm).
