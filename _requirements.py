@@ -45,13 +45,9 @@ def requirements(wheel: Path, replace: dict[str, str]) -> list[str]:
     ``replace`` says; a replacement the wheel does not require is an error,
     so a stale line in setup.cfg is seen."""
     with zipfile.ZipFile(wheel) as archive:
-        name = next(
-            n for n in archive.namelist() if n.endswith(".dist-info/METADATA")
-        )
+        name = next(n for n in archive.namelist() if n.endswith(".dist-info/METADATA"))
         metadata = HeaderParser().parsestr(archive.read(name).decode())
-    wanted = [
-        r for r in metadata.get_all("Requires-Dist") or [] if "extra ==" not in r
-    ]
+    wanted = [r for r in metadata.get_all("Requires-Dist") or [] if "extra ==" not in r]
     unused = sorted(set(replace) - set(wanted))
     if unused:
         raise ValueError(
