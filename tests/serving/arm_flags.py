@@ -44,8 +44,11 @@ SAID_FOR = {"VLLM_USE_V2_MODEL_RUNNER": "Model Runner V2"}
 
 
 def arm_command(arm: str) -> serve.ServeCommand:
-    """The command ``make serve ARM=arm NODE_RANK=0`` prints, on this host."""
-    return serve.build(
+    """The command ``make serve ARM=arm NODE_RANK=0`` prints, on this host,
+    for this interpreter's vLLM (without the variables it does not define
+    that the arms file sets only where defined: 0.34.0's
+    ``VLLM_USE_V2_MODEL_RUNNER``)."""
+    command = serve.build(
         arm,
         {
             "checkpoint": "CHECKPOINT",
@@ -54,6 +57,7 @@ def arm_command(arm: str) -> serve.ServeCommand:
             "master_addr": "127.0.0.1",
         },
     )
+    return serve.for_serving_vllm(command, serve.defined_env(command, sys.executable))
 
 
 def flags(command: serve.ServeCommand) -> list[list[str]]:

@@ -91,14 +91,22 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 def serve_env() -> dict[str, str]:
     """The environment of a test server: the CPU platform, this checkout on
     the path (for ``--worker-cls``) with the entry point of
-    :mod:`tests.serving.fork_processes`, the V1 runner the stand-in replaces."""
+    :mod:`tests.serving.fork_processes`, and on vLLM 0.33.0 the V1 runner the
+    stand-in replaces (0.34.0 has no other runner than V2 and refuses the
+    variable set to anything but 1; its CPU worker builds the one the
+    stand-in replaces)."""
+    import vllm.envs
+
     path = [str(ROOT), str(PLUGINS), os.environ.get("PYTHONPATH", "")]
+    runner = {}
+    if "VLLM_USE_V2_MODEL_RUNNER" in vllm.envs.environment_variables:
+        runner["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     return dict(
         os.environ,
         VLLM_TARGET_DEVICE="cpu",
         PYTHONPATH=os.pathsep.join(path),
-        VLLM_USE_V2_MODEL_RUNNER="0",
         VLLM_CPU_OMP_THREADS_BIND="nobind",
+        **runner,
     )
 
 

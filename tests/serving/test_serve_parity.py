@@ -103,6 +103,10 @@ def test_stage_disagreement_fails_vllm_serve_at_start_up(servers):
     elapsed = server.seconds_to_exit()
     log = server.log.read_text()
     refusal = [line for line in log.splitlines() if "Pipeline stages disagree" in line]
+    assert refusal, (
+        f"vllm serve exited {server.process.returncode} after {elapsed:.0f} s "
+        "without the agreement's message; its errors:\n" + "\n".join(server.errors())
+    )
     print(
         f"\nexit {server.process.returncode} after {elapsed:.0f} s:\n"
         + refusal[0][:1200]

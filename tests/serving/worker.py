@@ -21,6 +21,7 @@ tokens before them, so a prefix-cache hit resumes as a KV cache would.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from unittest import mock
 
@@ -38,6 +39,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker import cpu_worker, gpu_worker
+from vllm.v1.worker.gpu.eplb_utils import EPLBController
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
 from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
 
@@ -47,6 +49,7 @@ logger = init_logger(__name__)
 # as a node started with another --kernel-config would.
 STAGE1_MOE_BACKEND = "K3_SPPP_TEST_STAGE1_MOE_BACKEND"
 SEED = 0
+OUTPUT_FIELDS = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
 
 class Batch:
@@ -131,6 +134,9 @@ class StandInModelRunner:
         self.pending: ModelRunnerOutput | None = None
         self.stack = contextlib.ExitStack()
         self.max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+        # The GPU worker warms up inside ``eplb.suppress()`` (vLLM 0.34.0; on
+        # 0.33.0 with the V2 runner): vLLM's own controller, with no EPLB state.
+        self.eplb = EPLBController(vllm_config.parallel_config, device)
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         pp = get_pp_group()
@@ -270,11 +276,10 @@ class StandInModelRunner:
             tokens.append(token)
             sampled.append([token])
         req_ids = [segment[0] for segment in batch.segments]
-        self.pending = ModelRunnerOutput(
-            req_ids=req_ids,
-            req_id_to_index={r: i for i, r in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-        )
+        output = {"req_ids": req_ids, "sampled_token_ids": sampled}
+        if "req_id_to_index" in OUTPUT_FIELDS:  # vLLM 0.33.0; gone in 0.34.0
+            output["req_id_to_index"] = {r: i for i, r in enumerate(req_ids)}
+        self.pending = ModelRunnerOutput(**output)
         return None
 
     def sample_tokens(self, grammar_output):
@@ -303,15 +308,22 @@ class Worker(cpu_worker.CPUWorker):
     ):
         # CPUWorker.__init__ binds NUMA memory through vLLM's CPU extension
         # (vllm._C), which the CUDA wheel lacks: initialise as the GPU
-        # worker does and keep the rest of CPUWorker.
-        GPUWorker.__init__(
-            self,
-            vllm_config,
-            local_rank,
-            rank,
-            distributed_init_method,
-            is_driver_worker,
-        )
+        # worker does and keep the rest of CPUWorker. vLLM 0.34.0's GPU
+        # worker refuses to start without Triton ("vLLM's model runner
+        # requires Triton."), for the Triton kernels of its V2 runner; the
+        # stand-in runner launches none, and the CUDA wheel's Triton has no
+        # CPU backend. So that one check reads Triton as present, while the
+        # constructor runs and nowhere else (0.33.0 asks only for the V2
+        # runner, which these servers do not select).
+        with mock.patch.object(gpu_worker, "HAS_TRITON", True):
+            GPUWorker.__init__(
+                self,
+                vllm_config,
+                local_rank,
+                rank,
+                distributed_init_method,
+                is_driver_worker,
+            )
         self.parallel_config.disable_custom_all_reduce = True
 
     def init_device(self) -> None:
