@@ -85,6 +85,8 @@ NUM_LAYERS = 4
 # step dispatches, what MegaMoE's buffer and the DSA top-k buffer are sized
 # by. Odd, so that its shard rows ceil(N/TP) differ from N // TP.
 MAX_NUM_BATCHED_TOKENS = 127
+# The longest request (--max-model-len).
+MAX_MODEL_LEN = 1024
 # Tokens each DSA query attends to (dsa_config.index_topk; 2048 in K3.1).
 DSA_INDEX_TOPK = 4
 # Whether this vLLM builds Kimi K3's DSA layers (0.34.0 does).
@@ -394,12 +396,18 @@ def scenario_config(
     )
     config.scheduler_config.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     hf_config = tiny_config(attn_res, num_layers, dsa)
-    # No checkpoint to read: the model only asks its ModelConfig for these.
+    # No checkpoint to read: the model (and the start-up check) only ask
+    # its ModelConfig for these; the last two are vLLM's defaults.
     object.__setattr__(
         config,
         "model_config",
         types.SimpleNamespace(
-            hf_text_config=hf_config, hf_config=hf_config, dtype=DTYPE, head_dtype=DTYPE
+            hf_text_config=hf_config,
+            hf_config=hf_config,
+            dtype=DTYPE,
+            head_dtype=DTYPE,
+            max_model_len=MAX_MODEL_LEN,
+            max_logprobs=20,
         ),
     )
     return config
