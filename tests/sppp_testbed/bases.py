@@ -9,9 +9,12 @@ with a reason that names the release it runs on, never passed there.
 
 from __future__ import annotations
 
-import pytest
+from typing import TYPE_CHECKING
 
 import vllm
+
+if TYPE_CHECKING:  # pytest only where a mark is asked for: the GPU bundle
+    import pytest  # carries the test bed without it
 
 __all__ = [
     "VLLM_VERSION",
@@ -43,6 +46,8 @@ HAS_LEGACY_RUNNER = VLLM_VERSION < (0, 34, 0)
 
 def only_on_0_33(what: str) -> pytest.MarkDecorator:
     """Skip unless this is vLLM 0.33.0, saying what 0.34.0 no longer has."""
+    import pytest
+
     return pytest.mark.skipif(
         VLLM_VERSION[:2] != (0, 33),
         reason=f"vLLM 0.33.0 only: {what} (this is vLLM {vllm.__version__})",
@@ -51,6 +56,8 @@ def only_on_0_33(what: str) -> pytest.MarkDecorator:
 
 def only_from_0_34(what: str) -> pytest.MarkDecorator:
     """Skip on releases before 0.34.0, saying what they do not have."""
+    import pytest
+
     return pytest.mark.skipif(
         VLLM_VERSION < (0, 34, 0),
         reason=f"vLLM 0.34.0 only: {what} (this is vLLM {vllm.__version__})",
