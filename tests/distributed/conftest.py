@@ -62,7 +62,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def pristine_vllm(request) -> str:
-    """A vLLM 0.33.0 tree as it was before the patch set (linked, not copied)."""
+    """The installed vLLM release as it was before the patch set (linked, not
+    copied)."""
     return request.config.stash[PRISTINE_VLLM]
 
 

@@ -1,10 +1,13 @@
 # SPDX-License-Identifier: Apache-2.0
 """The tiny Kimi K3 across real TP×PP ranks against the single-process reference.
 
-Configurations vLLM 0.33.0 supports (SP with PP=1, PP without SP, TP without
-SP) must match the TP1×PP1 reference. The tolerance is float64 summation order
-across TP shards (all-reduce, reduce-scatter); a wrong row, a missing gather or
-a double shard moves results by O(1e-2) or more.
+Configurations vLLM supports without the series (SP with PP=1, PP without SP,
+TP without SP) and SP across stages must match the TP1×PP1 reference. The
+tolerance is float64 summation order across TP shards (all-reduce,
+reduce-scatter); a wrong row, a missing gather or a double shard moves results
+by O(1e-2) or more. On vLLM 0.34.0 the same holds with Kimi K3.1's DSA layers,
+and at the scheduler's whole budget, where MegaMoE's shard-sized buffer is
+full.
 """
 
 from __future__ import annotations
@@ -14,8 +17,14 @@ import itertools
 import torch
 
 from tests.distributed.conftest import topologies
+from tests.sppp_testbed.bases import VLLM_VERSION, only_from_0_34, only_on_0_33
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step
-from tests.sppp_testbed.tiny_k3 import DTYPE, tiny_config
+from tests.sppp_testbed.tiny_k3 import (
+    DTYPE,
+    HAS_DSA,
+    MAX_NUM_BATCHED_TOKENS,
+    tiny_config,
+)
 from vllm.utils.math_utils import cdiv
 
 try:
@@ -77,7 +86,7 @@ def scenarios(tp: int, pp: int, sp: bool) -> list[Scenario]:
 
 
 def supported_scenarios(tp: int, pp: int) -> list[Scenario]:
-    """What vLLM 0.33.0 runs already: no SP, and SP only without PP."""
+    """What vLLM runs without the series: no SP, and SP only without PP."""
     chosen = scenarios(tp, pp, sp=False)
     if pp == 1 and tp > 1:
         chosen += scenarios(tp, pp, sp=True)
@@ -129,6 +138,7 @@ def test_sp_end_of_stage_is_one_packed_gather(pool, reference):
             ], (n, aux, gathers)
 
 
+@only_on_0_33("the legacy model runner's buffers (gpu_model_runner.py)")
 @topologies((2, 2))
 def test_sp_across_stages_through_the_legacy_runner_buffers(pool, reference):
     """The receiving stage takes the hand-off through the legacy runner's
@@ -289,3 +299,79 @@ def test_sp_across_stages_moves_the_minimum(pool, reference):
                 if gathers != want:
                     problems.append(f"{where}: stage output {gathers} != {want}")
     assert not problems, "\n".join(problems)
+
+
+def dsa_scenarios(tp: int, pp: int) -> list[Scenario]:
+    """DSA on every full-attention layer, SP across stages: N = 1 (below
+    TP), TP + 1 (not divisible by TP), 17 and the whole budget; AttnRes with
+    aux taps where padding bites; replicated (no SP) beside them."""
+    counts = sorted({1, tp + 1, 17, MAX_NUM_BATCHED_TOKENS})
+    chosen = [Scenario(True, n, dsa=True) for n in counts]
+    chosen += [
+        Scenario(True, n, dsa=True, attn_res=True, aux_layers=aux_taps(pp))
+        for n in (1, tp + 1)
+    ]
+    chosen.append(Scenario(True, tp + 1, dsa=True, production_flags=True))
+    chosen.append(Scenario(False, 17, dsa=True))
+    return chosen
+
+
+@only_from_0_34("Kimi K3.1's DSA layers (dsa_config) are new in vLLM 0.34.0")
+@topologies((2, 3), (2, 2))
+def test_dsa_layers_across_stages_match_the_reference(pool, reference):
+    """Every stage builds its DSA layers (the model-level top-k buffer sized
+    from its parallel config and budget) and runs them on the gathered
+    sequence; the last stage's outputs equal the single-process model's."""
+    chosen = dsa_scenarios(pool.tp, pool.pp)
+    found = failures(pool, chosen, reference)
+    config = tiny_config(dsa=True)
+    for rank, result in enumerate(pool.run(run_step, chosen[0])):
+        start, end = result.layers
+        want = tuple(
+            "SparseSequenceMixer" if config.is_dsa_layer(i) else "SequenceMixer"
+            for i in range(start, end)
+        )
+        if result.attention != want:
+            found.append(f"rank {rank}: attention {result.attention} != {want}")
+    assert not found, "\n".join(found)
+
+
+def budget_scenarios() -> list[Scenario]:
+    """A real step and a dummy run (profiling, capture) of the scheduler's
+    whole budget; with DSA where vLLM builds it."""
+    n = MAX_NUM_BATCHED_TOKENS
+    chosen = [Scenario(True, n), Scenario(True, n, dummy_run=True)]
+    if HAS_DSA:
+        chosen.append(Scenario(True, n, dummy_run=True, dsa=True))
+    chosen.append(Scenario(True, n, dummy_run=True, attn_res=True))
+    return chosen
+
+
+@topologies((2, 3), (2, 2))
+def test_the_whole_budget_fits_the_moe_buffer_on_every_stage(pool, reference):
+    """At N = max_num_batched_tokens every MoE layer of every stage gets its
+    shard, ceil(N/TP) rows: in a real step, and in a dummy run, where later
+    stages get N rows of the runner's full-capacity buffers and narrow them
+    once. From vLLM 0.34.0 that is exactly what MegaMoE's buffer holds under
+    SP (sized ceil(N/TP), and refusing more), so a stage that failed to
+    narrow, or narrowed twice, fails here; 0.33.0 sized it for N."""
+    n = MAX_NUM_BATCHED_TOKENS
+    rows = sp_shard_rows(n, pool.tp)
+    found = failures(pool, budget_scenarios()[:1], reference)
+    for scenario in budget_scenarios():
+        for rank, result in enumerate(pool.run(run_step, scenario)):
+            where = f"{scenario}, rank {rank}"
+            if result.moe_max_num_tokens is not None:  # a stage with MoE layers
+                bound = rows if VLLM_VERSION >= (0, 34, 0) else n
+                if (result.moe_tokens, result.moe_max_num_tokens) != (rows, bound):
+                    found.append(
+                        f"{where}: MoE ran {result.moe_tokens} tokens with a "
+                        f"buffer of {result.moe_max_num_tokens}, want {rows} of "
+                        f"{bound}"
+                    )
+            if rank // pool.tp < pool.pp - 1:
+                if result.output_rows != rows:
+                    found.append(f"{where}: hands on {result.output_rows} rows")
+            elif result.hidden_states.shape != (n, HIDDEN):
+                found.append(f"{where}: output {tuple(result.hidden_states.shape)}")
+    assert not found, "\n".join(found)

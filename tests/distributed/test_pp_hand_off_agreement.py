@@ -5,8 +5,11 @@ options to align, instead of hanging or mixing rows at the first step; any
 other difference starts, with a warning on every stage. Real ranks, the real
 PP group over gloo, and per stage the tiny Kimi K3 built from that stage's own
 config, as a headless node builds it from its own command line, with the
-runners' own CUDA graph dispatch (the legacy ``CudagraphDispatcher`` or the
-V2 ``CudaGraphManager``) built from that config."""
+runners' own CUDA graph dispatch (the V2 ``CudaGraphManager``; on vLLM 0.33.0
+also the legacy runner's ``CudagraphDispatcher``) built from that config.
+vLLM 0.34.0 has Model Runner V2 only: there every stage runs it, its graph
+sizes resolved by vLLM's own ``_split_cudagraph_capture_sizes`` (prefill
+token sizes, decode request sizes)."""
 
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import pytest
 import torch
 
 from tests.distributed.conftest import topologies
+from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER, only_from_0_34, only_on_0_33
 from tests.sppp_testbed.tiny_k3 import build_model, scenario_config, stand_ins
 from vllm.config import (
     CompilationMode,
@@ -30,13 +34,19 @@ from vllm.config import (
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.model_executor.models.interfaces import EagleModelMixin
 from vllm.platforms import current_platform
-from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.worker import pp_hand_off_agreement
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
-from vllm.v1.worker.pp_hand_off_agreement import (
-    check_aux_layers_on_the_last_stage,
-    check_pp_hand_off_agreement,
-)
+from vllm.v1.worker.gpu.lora_utils import get_lora_capture_cases
+from vllm.v1.worker.pp_hand_off_agreement import check_pp_hand_off_agreement
+
+if HAS_LEGACY_RUNNER:
+    from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
+    from vllm.v1.worker.pp_hand_off_agreement import (
+        check_aux_layers_on_the_last_stage,
+    )
+
+# The runners this vLLM has: 0.34.0 deleted the legacy one.
+RUNNERS = ("legacy", "v2") if HAS_LEGACY_RUNNER else ("v2",)
 
 # A start-up check answers at once: far inside the pool's bound on a hang.
 BOUND_S = 30.0
@@ -62,8 +72,9 @@ class StageFlags:
     # What the runner resolves where its attention backends or a drafter
     # lower the flags' mode; None: the flags' mode.
     resolved_mode: str | None = None
-    # "legacy", "v2", or "none": a runner without CUDA graph dispatch.
-    runner: str = "legacy"
+    # "legacy" (0.33.0), "v2", or "none": a runner without CUDA graph
+    # dispatch. The release's default runner unless set.
+    runner: str = RUNNERS[0]
     # The V2 runner's decode graphs take any mix of query lengths.
     varlen_decode: bool = False
     # The V2 runner's decode query length where its model state samples
@@ -86,6 +97,14 @@ class StageFlags:
     # The stage's runner dispatches with a signature of its own (an
     # out-of-tree dispatcher): its padding cannot be asked.
     foreign_dispatch: bool = False
+    # vLLM 0.34.0's extensible KV cache (on by default on CUDA): kernel
+    # warm-up and KV-sizing steps even without JIT warm-up.
+    enable_extensible_kv_cache: bool = False
+    # --max-num-batched-tokens, --max-model-len, --max-logprobs; None: the
+    # test bed's.
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    max_logprobs: int | None = None
 
 
 SP = StageFlags()
@@ -94,7 +113,11 @@ NO_SP = dataclasses.replace(SP, moe_backend="auto")
 
 @contextlib.contextmanager
 def runner_kind(flags: StageFlags):
-    """What ``VllmConfig.use_v2_model_runner`` answers on this node."""
+    """What ``VllmConfig.use_v2_model_runner`` answers on this node (0.33.0;
+    0.34.0 runs V2 only and has no such switch)."""
+    if not HAS_LEGACY_RUNNER:
+        yield
+        return
     saved = os.environ.get("VLLM_USE_V2_MODEL_RUNNER")
     os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if flags.runner == "v2" else "0"
     try:
@@ -129,6 +152,17 @@ def stage_runner(config, flags: StageFlags) -> types.SimpleNamespace:
         compilation.mode = CompilationMode.VLLM_COMPILE
         compilation.splitting_ops = list(compilation._attention_ops)
     if flags.runner == "v2":
+        decode_query_len = flags.decode_query_len or 1 + flags.num_speculative_tokens
+        if HAS_LEGACY_RUNNER:
+            query_lens = {"decode_query_len": decode_query_len}
+        else:
+            # 0.34.0: each uniform decode query length and its most requests,
+            # and vLLM's own split of the capture sizes into prefill token
+            # and decode request sizes (VllmConfig resolves them from the
+            # target's query lengths, as it would for these flags on a GPU).
+            target = config.get_decode_cudagraph_query_lens(decode_query_len)
+            config._split_cudagraph_capture_sizes(True, target)
+            query_lens = {"decode_query_lens": target}
         # No graph pool on the CPU; dispatch never touches it.
         saved = current_platform.get_global_graph_pool
         current_platform.get_global_graph_pool = lambda: None
@@ -137,8 +171,11 @@ def stage_runner(config, flags: StageFlags) -> types.SimpleNamespace:
                 config,
                 torch.device("cpu"),
                 mode,
-                decode_query_len=flags.decode_query_len
-                or 1 + flags.num_speculative_tokens,
+                **query_lens,
+                # The LoRA counts the V2 runner captures graphs for.
+                lora_capture_cases=get_lora_capture_cases(
+                    config.lora_config, compilation
+                ),
                 varlen_decode=flags.varlen_decode,
             )
         finally:
@@ -159,6 +196,14 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
     config.kernel_config.moe_backend = flags.moe_backend
     config.kernel_config.enable_jit_warmup = flags.enable_jit_warmup
     config.model_config.enforce_eager = flags.enforce_eager
+    if flags.enable_extensible_kv_cache:
+        config.cache_config.enable_extensible_kv_cache = True
+    if flags.max_num_batched_tokens is not None:
+        config.scheduler_config.max_num_batched_tokens = flags.max_num_batched_tokens
+    if flags.max_model_len is not None:
+        config.model_config.max_model_len = flags.max_model_len
+    if flags.max_logprobs is not None:
+        config.model_config.max_logprobs = flags.max_logprobs
     compilation = config.compilation_config
     compilation.cudagraph_capture_sizes = list(flags.capture_sizes)
     compilation.max_cudagraph_capture_size = max(flags.capture_sizes)
@@ -187,13 +232,19 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
 
                 model.get_pp_intermediate_tensor_all_gather_overrides = broken
             if flags.num_speculative_tokens:
-                # Only the count matters to the hand-off; no drafter is built here.
+                # Only the count matters to the hand-off; no drafter is built
+                # here. K3's drafter is its one-module MTP (on 0.34.0 its
+                # one-token draft decodes get graphs of their own).
                 object.__setattr__(
                     config,
                     "speculative_config",
                     types.SimpleNamespace(
                         num_speculative_tokens=flags.num_speculative_tokens,
                         uses_dynamic_speculative_decoding=lambda: False,
+                        method="mtp",
+                        use_multi_module_mtp=lambda: False,
+                        use_gemma4_mtp=lambda: False,
+                        enable_adaptive_verification=False,
                     ),
                 )
             if flags.max_loras:
@@ -203,7 +254,11 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
                 compilation.cudagraph_specialize_lora = flags.lora_free_graphs
             runner = stage_runner(config, flags)
             if flags.foreign_dispatch:
-                runner.cudagraph_dispatcher.dispatch = lambda batch_descriptor: None
+                foreign = lambda batch_descriptor: None  # noqa: E731
+                if flags.runner == "legacy":
+                    runner.cudagraph_dispatcher.dispatch = foreign
+                else:  # a graph manager of its own, with another signature
+                    runner.cudagraph_manager.find_candidate = foreign
             try:
                 check_pp_hand_off_agreement(config, model, runner)
             except RuntimeError as error:
@@ -298,6 +353,7 @@ def test_a_later_stage_that_pads_only_a_single_token_is_refused(pool):
     )
 
 
+@only_on_0_33("the legacy dispatcher's graphs for LoRA batches only")
 @topologies((2, 2))
 def test_a_later_stage_that_pads_only_batches_with_loras_is_refused(pool):
     """With LoRA graphs only (cudagraph_specialize_lora off) stage 1 runs
@@ -312,6 +368,21 @@ def test_a_later_stage_that_pads_only_batches_with_loras_is_refused(pool):
         "sends 3 rows, and as 4 on stage 1, which expects at least 4",
     )
     assert_started_everywhere(run_stages(pool, lora, lora))
+
+
+@topologies((2, 2))
+def test_v2_lora_graphs_pad_batches_with_and_without_loras(pool):
+    """Model Runner V2 captures graphs for batches without LoRA too (its LoRA
+    cases always hold 0), so next to an eager stage the first batch that
+    pads differently has no LoRA; LoRA counts above the captured cases pad
+    as the largest (dispatch's map), the same on every stage."""
+    lora = dataclasses.replace(NO_SP, runner="v2", max_loras=2, lora_free_graphs=False)
+    assert_refused_everywhere(
+        run_stages(pool, dataclasses.replace(lora, enforce_eager=True), lora),
+        PADS_3_TO_4,
+    )
+    specialized = dataclasses.replace(lora, lora_free_graphs=True)
+    assert_started_everywhere(run_stages(pool, specialized, lora))
 
 
 @topologies((2, 2))
@@ -410,7 +481,7 @@ def test_with_sp_a_lowered_mode_that_pads_every_batch_alike_starts(pool):
     so every batch maps to the same shard rows."""
     first = dataclasses.replace(SP, cudagraph_mode="FULL_AND_PIECEWISE")
     last = dataclasses.replace(SP, cudagraph_mode="PIECEWISE")
-    for runner in ("legacy", "v2"):
+    for runner in RUNNERS:
         assert_started_everywhere(
             run_stages(
                 pool,
@@ -431,7 +502,7 @@ def test_with_sp_stages_that_shard_a_batch_differently_are_refused(pool):
         "is dispatched as 8 tokens on stage 0, which sends 4 rows, and as 5 on "
         "stage 1, which expects 3"
     )
-    for runner in ("legacy", "v2"):
+    for runner in RUNNERS:
         first = dataclasses.replace(SP, runner=runner)
         for last, shown in [
             (
@@ -463,7 +534,7 @@ def test_modes_are_compared_as_the_runners_resolved_them(pool):
     to PIECEWISE every batch pads alike and the stages start; lowered to
     NONE a 5-token decode is 4 shard rows on stage 0 and 3 on stage 1, and
     the error says the flags may match."""
-    for runner in ("legacy", "v2"):
+    for runner in RUNNERS:
         first = dataclasses.replace(
             SP, runner=runner, cudagraph_mode="FULL_AND_PIECEWISE"
         )
@@ -540,6 +611,7 @@ def test_each_boundary_is_compared_with_its_own_neighbours(pool):
     )
 
 
+@only_on_0_33("the legacy model runner, which sets aux layers on the last stage")
 @topologies((2, 2))
 def test_aux_layers_set_on_the_last_stage_only_start(pool):
     """The legacy runner sets aux layers on the last stage only; with every
@@ -573,32 +645,99 @@ def test_a_model_that_relays_no_taps_starts_with_one_at_the_boundary(pool):
 @topologies((2, 2))
 def test_stages_that_would_warm_up_differently_are_refused(pool, base):
     """The V2 JIT warm-up runs real PP steps, twice with spec decode: a stage
-    that runs other warm-up steps than its neighbour hangs 0.33.0 too, so
-    this is refused for every model."""
+    that runs other warm-up steps than its neighbour hangs vLLM too, so this
+    is refused for every model."""
     v2 = dataclasses.replace(base, runner="v2", enable_jit_warmup=True)
     for other, shown in [
         (
             dataclasses.replace(v2, enable_jit_warmup=False),
-            "'enable_jit_warmup': False",
+            ["'enable_jit_warmup': False"],
         ),
         (
             dataclasses.replace(v2, num_speculative_tokens=1),
-            "'speculative_decoding': True, 'num_speculative_tokens': 1}",
+            ["'speculative_decoding': True", "'num_speculative_tokens': 1"],
         ),
     ]:
         assert_refused_everywhere(
             run_stages(pool, v2, other),
-            "warm_up: stage 0={'enable_jit_warmup': True, "
-            "'speculative_decoding': False, 'num_speculative_tokens': 0}",
-            shown,
-            "--kernel-config (enable_jit_warmup), --speculative-config",
+            "warm_up: stage 0={'enable_jit_warmup': True, ",
+            "'speculative_decoding': False",
+            *shown,
+            "--kernel-config (enable_jit_warmup), ",
+            "--speculative-config",
         )
-    # Without the JIT warm-up no stage runs warm-up steps.
-    legacy = dataclasses.replace(base, runner="legacy", enable_jit_warmup=True)
-    results = run_stages(
-        pool, legacy, dataclasses.replace(legacy, enable_jit_warmup=False)
+    # Without the JIT warm-up (and, on 0.34.0, the extensible KV cache) no
+    # stage runs warm-up steps: what would size them may differ.
+    quiet = dataclasses.replace(v2, enable_jit_warmup=False)
+    assert_started_everywhere(
+        run_stages(pool, quiet, dataclasses.replace(quiet, max_num_batched_tokens=255))
     )
-    assert [error for error, _ in results] == [None] * pool.world, results
+    if HAS_LEGACY_RUNNER:  # the legacy runner runs no JIT warm-up
+        legacy = dataclasses.replace(base, runner="legacy", enable_jit_warmup=True)
+        results = run_stages(
+            pool, legacy, dataclasses.replace(legacy, enable_jit_warmup=False)
+        )
+        assert [error for error, _ in results] == [None] * pool.world, results
+
+
+@only_from_0_34("the extensible KV cache's warm-up and KV-sizing steps")
+@pytest.mark.parametrize("base", [SP, NO_SP], ids=["sp", "no-sp"])
+@topologies((2, 2))
+def test_stages_whose_extensible_kv_cache_warms_up_differently_are_refused(pool, base):
+    """vLLM 0.34.0's extensible KV cache (on by default on CUDA) runs the
+    kernel warm-up even without JIT warm-up, then KV-sizing steps of the
+    whole budget (prefills of at most --max-model-len tokens, a prompt-
+    logprobs step where --max-logprobs asks for one), all through the
+    worker's execute_model (gpu_worker.py ``_compile_or_warm_up_model``,
+    gpu/warmup.py ``warmup_kernels``, ``run_kv_cache_sizing_warmup``). A
+    stage that runs other steps sends what nobody receives: refused for
+    every model, with the option named."""
+    kv = dataclasses.replace(base, runner="v2", enable_extensible_kv_cache=True)
+    for other, shown, option in [
+        (
+            dataclasses.replace(kv, enable_extensible_kv_cache=False),
+            "'enable_extensible_kv_cache': False",
+            "--enable-extensible-kv-cache",
+        ),
+        (
+            dataclasses.replace(kv, max_num_batched_tokens=255),
+            "'max_num_batched_tokens': 255",
+            "--max-num-batched-tokens",
+        ),
+        (
+            dataclasses.replace(kv, max_model_len=64),
+            "'max_model_len': 64",
+            "--max-model-len",
+        ),
+        (
+            dataclasses.replace(kv, max_logprobs=0),
+            "'max_logprobs': 0",
+            "--max-logprobs",
+        ),
+    ]:
+        assert_refused_everywhere(run_stages(pool, kv, other), shown, option)
+    # The JIT warm-up alone: its number of requests is capped by the budget.
+    jit = dataclasses.replace(base, runner="v2", enable_jit_warmup=True)
+    assert_refused_everywhere(
+        run_stages(pool, jit, dataclasses.replace(jit, max_num_batched_tokens=255)),
+        "'max_num_batched_tokens': 255",
+        "--max-num-batched-tokens",
+    )
+
+
+@only_from_0_34("the JIT kernel warm-up beside the extensible KV cache's sizing")
+@topologies((2, 2))
+def test_without_sp_what_only_kv_sizing_reads_may_differ_beside_jit_warm_up(pool):
+    """Without the extensible KV cache only the kernel warm-up runs, whose
+    steps read neither --max-model-len (beyond block counts of its few-token
+    requests) nor --max-logprobs (it asks logprobs=5 itself): vLLM 0.34.0
+    starts stages that differ in them, and so does the series."""
+    jit = dataclasses.replace(NO_SP, runner="v2", enable_jit_warmup=True)
+    for other in (
+        dataclasses.replace(jit, max_model_len=512),
+        dataclasses.replace(jit, max_logprobs=0),
+    ):
+        assert_started_everywhere(run_stages(pool, jit, other))
 
 
 # Robust.
@@ -664,8 +803,9 @@ def test_nodes_with_other_num_speculative_tokens_are_refused(pool):
     other = dataclasses.replace(MTP, num_speculative_tokens=1)
     assert_refused_everywhere(
         run_stages(pool, MTP, other),
-        "warm_up: stage 0={'enable_jit_warmup': True, 'speculative_decoding': "
-        "True, 'num_speculative_tokens': 3}",
+        "warm_up: stage 0={'enable_jit_warmup': True, ",
+        "'speculative_decoding': True",
+        "'num_speculative_tokens': 3",
         "--speculative-config",
     )
     no_warm_up = dataclasses.replace(MTP, enable_jit_warmup=False)
@@ -696,6 +836,7 @@ def last_stage_taps(layers: tuple[int, ...], relays: bool = True) -> str | None:
     return None
 
 
+@only_on_0_33("the legacy (V1) model runner's aux-layer check")
 @topologies((2, 2))
 def test_v1_runner_taps_before_the_last_stage_are_refused_naming_the_options(pool):
     """0.33.0's V1 runner sets aux layers on the last stage only; taps at or
@@ -715,6 +856,7 @@ def test_v1_runner_taps_before_the_last_stage_are_refused_naming_the_options(poo
     assert pool.run(last_stage_taps, (3,), timeout=BOUND_S) == [None] * pool.world
 
 
+@only_on_0_33("the legacy (V1) model runner's aux-layer check")
 @topologies((2, 2))
 def test_v1_runner_taps_from_a_model_that_relays_none_start(pool):
     """Such a model captures tap 2 at the last stage's first layer from what

@@ -14,9 +14,10 @@ import torch
 
 from tests.distributed.conftest import topologies
 from tests.distributed.test_kimi_k3_stages import mismatches
+from tests.sppp_testbed.bases import only_on_0_33
 from tests.sppp_testbed.launcher import RankFailure
 from tests.sppp_testbed.stages import Scenario, run_step
-from tests.sppp_testbed.tiny_k3 import HIDDEN
+from tests.sppp_testbed.tiny_k3 import HIDDEN, MAX_NUM_BATCHED_TOKENS
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.models.common.ops.sequence_parallel import sp_shard
 
@@ -117,6 +118,7 @@ def test_stages_that_padded_the_batch_differently_fail_naming_the_rows(pool):
     ), message
 
 
+@only_on_0_33("the legacy model runner's buffers (gpu_model_runner.py)")
 @topologies((2, 2))
 def test_the_runner_refuses_another_stages_padding_before_the_copy(pool):
     """The same mis-padded hand-off through the legacy runner's buffers: the
@@ -134,3 +136,32 @@ def test_the_runner_refuses_another_stages_padding_before_the_copy(pool):
         )
         == 2
     ), message
+
+
+@topologies((2, 2))
+def test_a_later_stage_that_does_not_narrow_fails_its_dummy_run(pool, reference):
+    """A later stage that takes what it is handed as its shard runs real
+    steps right (it receives its shard) but not a dummy run, whose
+    full-capacity buffers' N rows it would run as N shard rows: the budget's
+    127 rows meet the 64-row shard after the first attention block."""
+    n = MAX_NUM_BATCHED_TOKENS
+    real = Scenario(True, n, fault="skip_narrowing")
+    assert not mismatches(pool.run(run_step, real), reference(real), pool.tp)
+    with pytest.raises(RankFailure) as failure:
+        pool.run(run_step, Scenario(True, n, dummy_run=True, fault="skip_narrowing"))
+    message = str(failure.value)
+    for rank in (2, 3):
+        assert f"--- rank {rank} (TP {rank % 2}, PP 1) ---" in message
+    assert "The size of tensor a (64) must match the size of tensor b (127)" in message
+
+
+@topologies((2, 2))
+def test_a_later_stage_that_narrows_twice_fails(pool):
+    """Narrowing the shard again (ceil(ceil(N/TP)/TP) rows) leaves attention
+    fewer rows than the sequence, in real steps and dummy runs alike."""
+    for dummy_run in (False, True):
+        scenario = Scenario(
+            True, MAX_NUM_BATCHED_TOKENS, fault="narrow_twice", dummy_run=dummy_run
+        )
+        with pytest.raises(RankFailure, match="attention sees the whole sequence"):
+            pool.run(run_step, scenario)

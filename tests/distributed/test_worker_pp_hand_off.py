@@ -2,13 +2,16 @@
 """vLLM's GPU ``Worker`` hands PP tensors off with the model's overrides, on
 real TP×PP ranks: each rank runs the real ``Worker.load_model`` and
 ``Worker.execute_model`` (the worker built without ``__init__``, which wants
-a device) around a runner whose ``load_model`` and hand-over are the legacy
-runner's own, running the test bed's stage model. 0.33.0's receiver decides
-from its own ``all_gather_tensors`` (``GroupCoordinator._should_use_all_gather``),
-so a receive or a send left without the overrides takes or sends a 1/TP
-slice of a shard and all-gathers other ranks' shards, and a runner that did
-not keep the declaration refuses the shard: the last stage's output no
-longer matches TP1×PP1.
+a device) around a runner whose ``load_model`` and hand-over are the real
+runner's own (0.33.0: the legacy runner's ``load_model`` and
+``sync_and_gather_intermediate_tensors``; 0.34.0, which has only Model Runner
+V2: its ``load_model`` up to the GPU model state, and the hand-over its
+``execute_model`` calls), running the test bed's stage model. The receiver
+decides from its own ``all_gather_tensors``
+(``GroupCoordinator._should_use_all_gather``), so a receive or a send left
+without the overrides takes or sends a 1/TP slice of a shard and all-gathers
+other ranks' shards, and a runner that did not keep the declaration refuses
+the shard: the last stage's output no longer matches TP1×PP1.
 """
 
 from __future__ import annotations
@@ -20,14 +23,20 @@ import torch
 
 from tests.distributed.conftest import topologies
 from tests.distributed.test_kimi_k3_stages import TOLERANCE
+from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 from tests.sppp_testbed.stages import RUNNER_CAPACITY as CAPACITY
 from tests.sppp_testbed.stages import Scenario, token_ids
 from tests.sppp_testbed.tiny_k3 import build_model, scenario_config, stand_ins
 from vllm.config import set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.sequence import IntermediateTensors
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker import gpu_worker
+from vllm.v1.worker.gpu import model_runner as v2
 from vllm.v1.worker.gpu_worker import Worker
+from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+
+if HAS_LEGACY_RUNNER:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 # Not divisible by TP 2: shards of ceil(N / TP) rows, the last one padded.
 STEPS = (7, 3, 1)
@@ -35,24 +44,14 @@ SEED = 0
 
 
 class StageRunner:
-    """The legacy model runner's part of a step, around the test bed's stage
-    model: its real ``load_model`` (given the built model, as
-    ``load_model(model=...)`` takes one) keeps the model's declaration, its
-    real ``sync_and_gather_intermediate_tensors`` hands the received rows
-    over into its persistent buffers, then the stage's layers run; the output
-    goes back to the worker (kept, and ``None`` returned, on the last stage).
-    """
+    """A model runner's part of a step around the test bed's stage model:
+    the step's hand-over (``hand_over``) into the persistent buffers, then the
+    stage's layers; the output goes back to the worker (kept, and ``None``
+    returned, on the last stage)."""
 
-    load_model = GPUModelRunner.load_model
-    sync_and_gather_intermediate_tensors = (
-        GPUModelRunner.sync_and_gather_intermediate_tensors
-    )
-    _setup_eagle3_aux_hidden_state_outputs = (
-        GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
-    )
-    _pp_hand_off = GPUModelRunner._pp_hand_off  # the class default
     lora_config = None
     use_aux_hidden_state_outputs = False
+    is_pooling_model = False
     device = torch.device("cpu")
 
     def __init__(self, config) -> None:
@@ -74,9 +73,7 @@ class StageRunner:
     def execute_model(self, scheduler_output, intermediate_tensors=None):
         num_tokens = scheduler_output.total_num_scheduled_tokens
         if intermediate_tensors is not None:
-            intermediate_tensors = self.sync_and_gather_intermediate_tensors(
-                num_tokens, intermediate_tensors, True
-            )
+            intermediate_tensors = self.hand_over(num_tokens, intermediate_tensors)
         output = self.model(
             token_ids(num_tokens, SEED), torch.arange(num_tokens), intermediate_tensors
         )
@@ -86,15 +83,73 @@ class StageRunner:
         return None
 
 
+class LegacyStageRunner(StageRunner):
+    """vLLM 0.33.0's legacy runner: its real ``load_model`` (given the built
+    model, as ``load_model(model=...)`` takes one) keeps the model's
+    declaration, its real ``sync_and_gather_intermediate_tensors`` hands the
+    received rows over."""
+
+    if HAS_LEGACY_RUNNER:
+        load_model = GPUModelRunner.load_model
+        sync_and_gather_intermediate_tensors = (
+            GPUModelRunner.sync_and_gather_intermediate_tensors
+        )
+        _setup_eagle3_aux_hidden_state_outputs = (
+            GPUModelRunner._setup_eagle3_aux_hidden_state_outputs
+        )
+        _pp_hand_off = GPUModelRunner._pp_hand_off  # the class default
+
+    def hand_over(self, num_tokens, received):
+        return self.sync_and_gather_intermediate_tensors(num_tokens, received, True)
+
+
+class ModelStateNeedsAGPU(Exception):
+    """Where Model Runner V2's ``load_model`` goes on to build its model
+    state (attention backends, sampler buffers), which needs a GPU."""
+
+
+class V2StageRunner(StageRunner):
+    """Model Runner V2: its real ``load_model`` (given the built model) keeps
+    the model's declaration, up to the model state it builds next for a GPU;
+    a step hands over as its ``execute_model`` does."""
+
+    _pp_hand_off = v2.GPUModelRunner._pp_hand_off  # the class default
+    speculator = None
+    pp_handler = None
+    encoder_cache = None
+    eplb = types.SimpleNamespace(prepare_load=lambda: None)
+
+    def load_model(self, load_dummy_weights: bool = False, model=None) -> None:
+        def stop(*args):
+            raise ModelStateNeedsAGPU
+
+        saved, v2.init_model_state = v2.init_model_state, stop
+        try:
+            v2.GPUModelRunner.load_model(self, load_dummy_weights, model=model)
+        except ModelStateNeedsAGPU:
+            pass
+        finally:
+            v2.init_model_state = saved
+
+    def hand_over(self, num_tokens, received):
+        return hand_over_intermediate_tensors(
+            self.intermediate_tensors, received, num_tokens, self._pp_hand_off
+        )
+
+
 class StageWorker(Worker):
     """The real ``Worker.load_model``, handing its runner the built model."""
 
     def __init__(self, config) -> None:  # Worker.__init__ wants a device
         self.vllm_config = config
-        self.use_v2_model_runner = False
         self.profiler = None
         self._pp_send_work = []
-        self.model_runner = StageRunner(config)
+        if HAS_LEGACY_RUNNER:
+            self.use_v2_model_runner = False
+            self.model_runner = LegacyStageRunner(config)
+        else:  # what 0.34.0's load_model tracks weights with
+            self._external_weight_charges = gpu_worker.ExternalWeightCharges()
+            self.model_runner = V2StageRunner(config)
 
 
 def run_worker_steps(steps: tuple[int, ...]) -> tuple[bool, list[torch.Tensor]]:

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 from vllm.config import CompilationConfig, CUDAGraphMode, VllmConfig
 from vllm.models.common.ops.sequence_parallel import sp_shard_rows
 from vllm.sequence import IntermediateTensors
@@ -170,9 +171,23 @@ class Stage(types.SimpleNamespace):
 def graph_config() -> VllmConfig:
     config = VllmConfig(compilation_config=CompilationConfig(cudagraph_mode="FULL"))
     # After VllmConfig's own resolution (which drops graphs on the CPU).
-    config.compilation_config.cudagraph_capture_sizes = list(CAPTURE_SIZES)
-    config.compilation_config.max_cudagraph_capture_size = max(CAPTURE_SIZES)
+    compilation = config.compilation_config
+    compilation.cudagraph_capture_sizes = list(CAPTURE_SIZES)
+    compilation.max_cudagraph_capture_size = max(CAPTURE_SIZES)
+    if not HAS_LEGACY_RUNNER:
+        # vLLM 0.34.0's graph manager takes prefill token sizes (FULL: every
+        # batch takes them) and decode request sizes instead.
+        compilation.prefill_cudagraph_capture_token_sizes = list(CAPTURE_SIZES)
+        compilation.decode_cudagraph_capture_request_sizes = []
     return config
+
+
+def decode_query_lens(query_len: int) -> dict[str, Any]:
+    """The graph manager's decode query length, as this vLLM takes it: 0.33.0
+    one ``decode_query_len``, 0.34.0 each length with its most requests."""
+    if HAS_LEGACY_RUNNER:
+        return {"decode_query_len": query_len}
+    return {"decode_query_lens": {query_len: CAPACITY}}
 
 
 def capture_graphs(device: torch.device, model: nn.Module | None = None) -> Stage:
@@ -188,7 +203,7 @@ def capture_graphs(device: torch.device, model: nn.Module | None = None) -> Stag
         current_platform.get_global_graph_pool = lambda: None
     try:
         manager = cudagraph_utils.ModelCudaGraphManager(
-            config, device, CUDAGraphMode.FULL, decode_query_len=1
+            config, device, CUDAGraphMode.FULL, **decode_query_lens(1)
         )
     finally:
         current_platform.get_global_graph_pool = saved_pool
@@ -384,6 +399,7 @@ class FakeV2Runner(types.SimpleNamespace):
             step_timing=types.SimpleNamespace(record_batch=noop, forward_start=noop),
             kv_connector=types.SimpleNamespace(pre_forward=noop, finish_forward=noop),
             update_pp_decode_requests=noop,
+            draft_tokens_handler=types.SimpleNamespace(begin_step=noop),
             finish_requests=noop,
             free_states=noop,
             add_requests=noop,
@@ -393,7 +409,10 @@ class FakeV2Runner(types.SimpleNamespace):
 
     def gather_batch_req_state(self, scheduler_output, dummy_run):
         tokens = scheduler_output.total_num_scheduled_tokens
-        return types.SimpleNamespace(num_tokens=tokens, has_prefill=True), None
+        state = types.SimpleNamespace(
+            num_tokens=tokens, has_prefill=True, decode_graph_eligible=False
+        )
+        return state, None
 
     def prepare_inputs(self, scheduler_output, batch_req_state, batch_desc, loras):
         padded = batch_desc.num_tokens

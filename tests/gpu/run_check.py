@@ -180,8 +180,12 @@ def graphs() -> list[str]:
 
 
 def legacy_graphs() -> list[str]:
+    import vllm
     from tests.gpu import checks
+    from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 
+    if not HAS_LEGACY_RUNNER:
+        return [f"vLLM {vllm.__version__} has no legacy runner (0.33.0 only)"]
     with checks.declared_topology():
         stage = checks.capture_legacy_graphs(torch.device("cuda"))
         problems = checks.check_legacy_graph_replay(stage, print)

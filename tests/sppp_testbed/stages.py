@@ -10,6 +10,11 @@ stages' aux hidden states with the V2 runner's own
 ``PPHandler.relay_aux_hidden_states``. With a drafter, the last stage then
 feeds it as the V2 runner does: vLLM's MTP layer on the target's gathered
 hidden states, or DSpark's input built from the aux list in slot order.
+
+A dummy run (``Scenario(dummy_run=True)``) is what memory profiling, the
+dummy runs and CUDA graph capture run on every stage alone, with no PP
+traffic: later stages get the first ``N`` rows of the runner's full-capacity
+receive buffers through the series' hand-over, and the model narrows them.
 """
 
 from __future__ import annotations
@@ -24,8 +29,10 @@ import torch
 
 from tests.sppp_testbed.accounting import CommLedger
 from tests.sppp_testbed.tiny_k3 import (
+    MAX_NUM_BATCHED_TOKENS,
     NUM_LAYERS,
     VOCAB,
+    TokenwiseExperts,
     build_dspark_context,
     build_model,
     build_mtp,
@@ -40,6 +47,7 @@ from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import ForwardContext, override_forward_context
 from vllm.sequence import IntermediateTensors
+from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.gpu.pp_utils import PPHandler
 from vllm.v1.worker.gpu.spec_decode.dflash.speculator import DFlashSpeculator
 from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
@@ -47,8 +55,12 @@ from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import (
     reserve_aux_intermediate_tensor_slots,
 )
 from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
+
+try:  # the legacy runner: vLLM 0.33.0 only (0.34.0 deleted it)
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+except ImportError:
+    GPUModelRunner = None
 
 try:  # what the patched worker asks at each hand-off
     from vllm.model_executor.models.interfaces import get_pp_all_gather_overrides
@@ -64,6 +76,15 @@ except ImportError:  # pristine vLLM's runner keeps nothing
 
     def get_pp_hand_off_declaration(model: torch.nn.Module) -> None:
         return None
+
+
+try:  # what the patched runners hand the model
+    from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+except ImportError:  # pristine vLLM's V2 runner: a dummy run's first N rows
+
+    def hand_over_intermediate_tensors(buffers, received, num_tokens, hand_off):
+        assert received is None, "pristine real steps are not run this way"
+        return buffers[:num_tokens]
 
 
 @dataclass(frozen=True)
@@ -97,6 +118,11 @@ class Scenario:
     query_len: int = 0
     # VLLM_KIMI_K3_AUX_ATTN_RES_STREAM=1: AttnRes aux taps capture the stream.
     aux_attn_res_stream: bool = False
+    # DSA on every full-attention layer (dsa_config; vLLM 0.34.0).
+    dsa: bool = False
+    # A dummy run (profiling, dummy runs, capture) on every stage alone,
+    # later stages on the runner's full-capacity buffers; no PP traffic.
+    dummy_run: bool = False
 
     def __str__(self) -> str:
         options = [f"N={self.num_tokens}", "SP" if self.sp else "no SP"]
@@ -122,6 +148,10 @@ class Scenario:
             options.append(f"requests of {self.query_len} tokens")
         if self.aux_attn_res_stream:
             options.append("AttnRes aux stream")
+        if self.dsa:
+            options.append("DSA")
+        if self.dummy_run:
+            options.append("dummy run")
         return ", ".join(options)
 
 
@@ -150,6 +180,14 @@ class StageResult:
     # With production flags: the MTP layer's forward context's mask after it
     # ran (this rank's rows under SP).
     drafter_padding_mask: torch.Tensor | None = None
+    # The most tokens any MoE layer of this stage ran, and what MegaMoE's
+    # buffer holds there (None: another backend).
+    moe_tokens: int = 0
+    moe_max_num_tokens: int | None = None
+    # A non-last stage's output rows (what it hands on).
+    output_rows: int | None = None
+    # The attention class of each of this stage's layers (stand-ins' names).
+    attention: tuple[str, ...] = ()
 
 
 # The seed's serve command sets the first; the second is 0.33.0's default,
@@ -218,8 +256,24 @@ def mtp_skips_gather(model: torch.nn.Module) -> None:
     k3_mtp.sp_all_gather = lambda x: x
 
 
+def skip_narrowing(model: torch.nn.Module) -> None:
+    """Later stages take full-capacity buffers' N rows as their shard."""
+    k3.narrow_to_sequence_parallel_rows = lambda tensors, num_tokens: tensors
+
+
+def narrow_twice(model: torch.nn.Module) -> None:
+    """Later stages narrow what they narrowed once again: c = ceil(c/TP)."""
+    narrow = k3.narrow_to_sequence_parallel_rows
+    k3.narrow_to_sequence_parallel_rows = lambda tensors, num_tokens: narrow(
+        narrow(tensors, num_tokens),
+        cdiv(num_tokens, get_tp_group().world_size),
+    )
+
+
 FAULTS = {
     "gather_by_shape": gather_by_shape,
+    "skip_narrowing": skip_narrowing,
+    "narrow_twice": narrow_twice,
     "shift_aux_slots": shift_aux_slots,
     "expect_extra_aux_key": expect_extra_aux_key,
     "mtp_skips_gather": mtp_skips_gather,
@@ -247,8 +301,8 @@ BATCH_FAULTS = {
 }
 
 
-# The legacy runner's persistent receive buffers: max_num_tokens rows.
-RUNNER_CAPACITY = 128
+# The runners' persistent receive buffers: max_num_tokens rows.
+RUNNER_CAPACITY = MAX_NUM_BATCHED_TOKENS
 
 
 def through_legacy_runner(
@@ -272,6 +326,32 @@ def through_legacy_runner(
     )
     return GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, received, True
+    )
+
+
+def intermediate_rows(output: IntermediateTensors) -> int:
+    (rows,) = {tensor.shape[0] for tensor in output.tensors.values()}
+    return rows
+
+
+def dummy_run_inputs(
+    model: torch.nn.Module, num_tokens: int, seed: int
+) -> IntermediateTensors | None:
+    """What the V2 runner hands a later stage's model on a dummy run (memory
+    profiling, ``_dummy_run``; capture slices the same buffers): the first
+    ``num_tokens`` rows of its ``max_num_tokens``-row receive buffers, through
+    the hand-over with nothing received. They hold whatever was there; here,
+    seeded values."""
+    if get_pp_group().is_first_rank:
+        return None
+    buffers = model.make_empty_intermediate_tensors(
+        RUNNER_CAPACITY, torch.get_default_dtype(), torch.device("cpu")
+    )
+    generator = torch.Generator().manual_seed(seed)
+    for tensor in buffers.tensors.values():
+        tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    return hand_over_intermediate_tensors(
+        buffers, None, num_tokens, get_pp_hand_off_declaration(model)
     )
 
 
@@ -350,6 +430,7 @@ def run_step(scenario: Scenario) -> StageResult:
         sp=scenario.sp,
         attn_res=scenario.attn_res,
         num_layers=scenario.num_layers,
+        dsa=scenario.dsa,
     )
     ledger = CommLedger()
     variables = dict(PRODUCTION_FLAGS) if scenario.production_flags else {}
@@ -380,9 +461,15 @@ def run_step(scenario: Scenario) -> StageResult:
                 for module in model.modules()
             ),
             packed_gather_max_bytes=getattr(k3_sp, "PACKED_GATHER_MAX_BYTES", 0),
+            attention=tuple(
+                type(layer.self_attn).__name__
+                for layer in model.layers[model.start_layer : model.end_layer]
+            ),
         )
         intermediate = None
-        if not pp_group.is_first_rank:
+        if scenario.dummy_run:
+            intermediate = dummy_run_inputs(model, scenario.num_tokens, scenario.seed)
+        elif not pp_group.is_first_rank:
             with ledger.in_phase("PP recv"):
                 tensors, handles, postprocess = pp_group.irecv_tensor_dict(
                     all_gather_group=tp_group, all_gather_tensors=overrides
@@ -408,8 +495,15 @@ def run_step(scenario: Scenario) -> StageResult:
             output = model(ids, positions, intermediate)
             if context is not None:
                 result.padding_mask = context.is_padding
+        moes = [m for m in model.modules() if isinstance(m, TokenwiseExperts)]
+        if moes:
+            result.moe_tokens = max(m.most_tokens for m in moes)
+            result.moe_max_num_tokens = moes[0].max_num_tokens
         if not pp_group.is_last_rank:
             assert isinstance(output, IntermediateTensors)
+            result.output_rows = intermediate_rows(output)
+            if scenario.dummy_run:
+                return result  # a dummy run hands nothing on
             relay = types.SimpleNamespace(
                 aux_hidden_state_relay_keys=aux_hidden_state_relay_keys(
                     types.SimpleNamespace(model=model)

@@ -12,7 +12,13 @@ module's namespace, for the duration of the build:
   ``o_proj``, so a wrong row order, a missing gather or a double shard
   changes the output, and the layer's own ``reduce_results``/reduce-scatter
   logic applies unchanged;
-- MoE: :class:`TokenwiseExperts`, a per-token map with replicated weights;
+- DSA attention (vLLM 0.34.0's ``KimiK3DSAAttention``, on the layers
+  ``dsa_config`` names): :class:`SparseSequenceMixer`, which mixes into each
+  token only the earlier tokens an indexer scores highest, through the
+  model-level ``topk_indices_buffer`` as the DSA indexer and the sparse
+  attention backend share it (the CPU platform refuses sparse attention);
+- MoE: :class:`TokenwiseExperts`, a per-token map with replicated weights,
+  which refuses a batch larger than MegaMoE's symmetric buffer would hold;
 - ``attn_res`` (Triton or SM100-native only): :func:`attn_res_reference`;
 - the MTP layer's ``fused_mtp_input`` (Triton): :func:`fused_mtp_input_reference`.
 
@@ -33,6 +39,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+import vllm
+from tests.sppp_testbed.bases import VLLM_VERSION
 from tests.sppp_testbed.cpu_platform import accept_x86_without_triton
 from vllm.config import (
     CompilationConfig,
@@ -60,6 +68,7 @@ from vllm.models.kimi_k3.nvidia import model as k3
 from vllm.models.kimi_k3.nvidia import mtp as k3_mtp
 from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
+from vllm.utils.math_utils import cdiv
 
 try:
     from vllm.models.kimi_k3.nvidia import sequence_parallel as k3_sp
@@ -72,6 +81,16 @@ DTYPE = torch.float64
 HIDDEN = 64
 VOCAB = 128
 NUM_LAYERS = 4
+# The scheduler's token budget (--max-num-batched-tokens): the most tokens a
+# step dispatches, what MegaMoE's buffer and the DSA top-k buffer are sized
+# by. Odd, so that its shard rows ceil(N/TP) differ from N // TP.
+MAX_NUM_BATCHED_TOKENS = 127
+# The longest request (--max-model-len).
+MAX_MODEL_LEN = 1024
+# Tokens each DSA query attends to (dsa_config.index_topk; 2048 in K3.1).
+DSA_INDEX_TOPK = 4
+# Whether this vLLM builds Kimi K3's DSA layers (0.34.0 does).
+HAS_DSA = hasattr(k3, "KimiK3DSAAttention")
 
 
 class SequenceMixer(nn.Module):
@@ -99,11 +118,97 @@ class SequenceMixer(nn.Module):
         return output
 
 
+class SparseSequenceMixer(SequenceMixer):
+    """DSA attention stand-in (``KimiK3DSAAttention``): each token mixes only
+    the ``index_topk`` earlier tokens an indexer scores highest.
+
+    As in the real layer, the indexer writes the top-k of the step's rows into
+    the model-level ``topk_indices_buffer`` (``max_num_batched_tokens`` rows,
+    -1 where a token has fewer earlier tokens), and the sparse attention reads
+    the indices from there. Attention sees the whole sequence (under SP the
+    decoder layer gathers before it), so a wrong order, a missing gather or a
+    batch larger than the buffer changes the answer or fails.
+    """
+
+    def __init__(
+        self,
+        config: KimiLinearConfig,
+        *args,
+        topk_indices_buffer: torch.Tensor | None = None,
+        prefix: str = "",
+        **kwargs,
+    ):
+        super().__init__(config, prefix=prefix)
+        if config.dsa_config is None:
+            raise ValueError("dsa_config is required for KimiK3DSAAttention")
+        # KimiLinearModel always passes its buffer (the real layer would
+        # allocate a private one, with a warning, for a host that does not).
+        assert topk_indices_buffer is not None, "no model-level top-k buffer"
+        self.topk_indices_buffer = topk_indices_buffer
+        self.index_topk = config.dsa_config.index_topk
+        hidden = config.hidden_size
+        self.index_query = nn.Parameter(torch.empty(hidden, hidden))
+
+    def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor):
+        rows = hidden_states.shape[0]
+        assert positions.shape[0] == rows, "attention sees the whole sequence"
+        capacity = self.topk_indices_buffer.shape[0]
+        if rows > capacity:
+            raise ValueError(
+                f"DSA got {rows} tokens, but the top-k indices buffer holds "
+                f"{capacity} (max_num_batched_tokens)."
+            )
+        # The indexer: causal scores, the top k per query into the buffer.
+        scores = (hidden_states @ self.index_query) @ hidden_states.T
+        scores = scores / hidden_states.shape[1] ** 0.5
+        causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        k = min(self.index_topk, rows)
+        top = scores.topk(k, dim=1)
+        chosen = torch.where(top.values.isinf(), -1, top.indices)
+        self.topk_indices_buffer[:rows].fill_(-1)
+        self.topk_indices_buffer[:rows, :k] = chosen.to(self.topk_indices_buffer.dtype)
+        # The sparse attention: what the buffer says, nothing else.
+        indices = self.topk_indices_buffer[:rows, :k].long()
+        valid = indices >= 0
+        logits = torch.gather(scores, 1, indices.clamp(min=0))
+        logits = logits.masked_fill(~valid, float("-inf"))
+        weights = logits.softmax(dim=1) * valid
+        picked = hidden_states[indices.clamp(min=0)]  # (rows, k, hidden)
+        mixed = (weights[..., None] * picked).sum(dim=1) @ self.value
+        tp_size = get_tensor_model_parallel_world_size()
+        width = mixed.shape[1] // tp_size
+        start = get_tensor_model_parallel_rank() * width
+        output, _ = self.o_proj(mixed[:, start : start + width].contiguous())
+        return output
+
+
+def mega_moe_max_num_tokens(
+    vllm_config: VllmConfig, use_sequence_parallel: bool
+) -> int:
+    """The most tokens MegaMoE's symmetric buffer holds, as vLLM's own
+    ``KimiMoE.__init__`` sizes it (``models/kimi_k3/nvidia/model.py``): the
+    scheduler's ``max_num_batched_tokens``; from vLLM 0.34.0, under SP, this
+    rank's shard of it, ``cdiv(max_num_batched_tokens, TP)`` ("The layer only
+    sees this rank's shard of the batch"). 0.33.0 sized it for the whole
+    budget in every layout."""
+    max_num_tokens = vllm_config.scheduler_config.max_num_batched_tokens
+    if use_sequence_parallel and VLLM_VERSION >= (0, 34, 0):
+        max_num_tokens = cdiv(max_num_tokens, get_tensor_model_parallel_world_size())
+    return max_num_tokens
+
+
 class TokenwiseExperts(nn.Module):
     """MoE stand-in: routed experts as a per-token map, the same on every
     rank, plus the real shared expert (``KimiMLP``) built as ``KimiMoE``
     builds it, so its sequence-parallel sharding
-    (``VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT``) runs vLLM's code."""
+    (``VLLM_KIMI_K3_SHARD_SP_SHARED_EXPERT``) runs vLLM's code.
+
+    With the MegaMoE backend it keeps MegaMoE's bound: ``KimiMoE`` sizes the
+    symmetric buffer (:func:`mega_moe_max_num_tokens`), and
+    ``DeepGemmMegaMoEExperts.forward`` refuses a batch of more tokens with
+    the same message; ``most_tokens`` records the largest batch it ran.
+    """
 
     def __init__(
         self,
@@ -116,6 +221,12 @@ class TokenwiseExperts(nn.Module):
     ):
         super().__init__()
         self.use_sequence_parallel = use_sequence_parallel
+        self.max_num_tokens: int | None = None
+        if vllm_config.kernel_config.moe_backend == "deep_gemm_mega_moe":
+            self.max_num_tokens = mega_moe_max_num_tokens(
+                vllm_config, use_sequence_parallel
+            )
+        self.most_tokens = 0
         self.weight = nn.Parameter(torch.empty(config.hidden_size, config.hidden_size))
         self.shared_experts = k3.KimiMLP(
             hidden_size=config.hidden_size,
@@ -130,6 +241,13 @@ class TokenwiseExperts(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        num_tokens = hidden_states.shape[0]
+        if self.max_num_tokens is not None and num_tokens > self.max_num_tokens:
+            raise ValueError(
+                f"MegaMoE got {num_tokens} tokens, but the symmetric buffer was "
+                f"sized for {self.max_num_tokens}."
+            )
+        self.most_tokens = max(self.most_tokens, num_tokens)
         shared = self.shared_experts(hidden_states)
         if not self.use_sequence_parallel:
             # TP-sharded without SP: KimiMoE sums the partials with the routed
@@ -209,12 +327,26 @@ STAND_INS = {
     "KimiMoE": TokenwiseExperts,
     "attn_res": attn_res_reference,
 }
+if HAS_DSA:
+    STAND_INS["KimiK3DSAAttention"] = SparseSequenceMixer
 
 
 def tiny_config(
-    attn_res: bool = False, num_layers: int = NUM_LAYERS
+    attn_res: bool = False, num_layers: int = NUM_LAYERS, dsa: bool = False
 ) -> KimiLinearConfig:
-    """KDA and MLA alternate, as in K3; one MTP layer follows the last."""
+    """KDA and MLA alternate, as in K3; one MTP layer follows the last. With
+    ``dsa``, every full-attention layer is a DSA layer, as in K3.1."""
+    full_attn_layers = list(range(2, num_layers + 1, 2))
+    dsa_config = None
+    if dsa:
+        if not HAS_DSA:
+            raise ValueError(f"vLLM {vllm.__version__} builds no DSA layers")
+        dsa_config = {
+            "dsa_layers": full_attn_layers,
+            "index_topk": DSA_INDEX_TOPK,
+            "index_head_dim": 16,
+            "index_num_heads": 2,
+        }
     return KimiLinearConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
@@ -229,9 +361,10 @@ def tiny_config(
         first_k_dense_replace=1,
         linear_attn_config={
             "kda_layers": list(range(1, num_layers + 1, 2)),
-            "full_attn_layers": list(range(2, num_layers + 1, 2)),
+            "full_attn_layers": full_attn_layers,
             "use_full_rank_gate": True,
         },
+        **({"dsa_config": dsa_config} if dsa else {}),
         attn_res_block_size=2 if attn_res else None,
         mla_use_nope=True,
         qk_nope_head_dim=16,
@@ -248,8 +381,10 @@ def scenario_config(
     sp: bool,
     attn_res: bool = False,
     num_layers: int = NUM_LAYERS,
+    dsa: bool = False,
 ) -> VllmConfig:
-    """A VllmConfig whose options ask for SP (EP, TP>1, MegaMoE) or not."""
+    """A VllmConfig whose options ask for SP (EP, TP>1, MegaMoE) or not, with
+    the test bed's token budget (``MAX_NUM_BATCHED_TOKENS``)."""
     config = VllmConfig(
         parallel_config=ParallelConfig(
             tensor_parallel_size=tp,
@@ -259,13 +394,20 @@ def scenario_config(
         kernel_config=KernelConfig(moe_backend="deep_gemm_mega_moe" if sp else "auto"),
         compilation_config=CompilationConfig(custom_ops=["none"]),
     )
-    hf_config = tiny_config(attn_res, num_layers)
-    # No checkpoint to read: the model only asks its ModelConfig for these.
+    config.scheduler_config.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
+    hf_config = tiny_config(attn_res, num_layers, dsa)
+    # No checkpoint to read: the model (and the start-up check) only ask
+    # its ModelConfig for these; the last two are vLLM's defaults.
     object.__setattr__(
         config,
         "model_config",
         types.SimpleNamespace(
-            hf_text_config=hf_config, hf_config=hf_config, dtype=DTYPE, head_dtype=DTYPE
+            hf_text_config=hf_config,
+            hf_config=hf_config,
+            dtype=DTYPE,
+            head_dtype=DTYPE,
+            max_model_len=MAX_MODEL_LEN,
+            max_logprobs=20,
         ),
     )
     return config
@@ -274,9 +416,16 @@ def scenario_config(
 @contextlib.contextmanager
 def stand_ins() -> Iterator[None]:
     """Swap the GPU-only classes in, and restore the modules afterwards
-    (including ``sp_all_gather``, the MTP layer's SP ops and the packed-gather
-    limit, which fault injections and scenarios may replace)."""
-    saved = {name: getattr(k3, name) for name in (*STAND_INS, "sp_all_gather")}
+    (including ``sp_all_gather``, the later stages' narrowing, the MTP layer's
+    SP ops and the packed-gather limit, which fault injections and scenarios
+    may replace)."""
+    # What faults replace: the gather, and the narrowing of later stages.
+    replaceable = ("sp_all_gather", "narrow_to_sequence_parallel_rows")
+    saved = {
+        name: getattr(k3, name)
+        for name in (*STAND_INS, *replaceable)
+        if hasattr(k3, name)  # pristine vLLM has no narrowing
+    }
     saved_mtp = {
         name: getattr(k3_mtp, name)
         for name in ("fused_mtp_input", "sp_shard", "sp_all_gather")

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """The model's PP hand-off declaration is taken once, when the model is
-loaded: a worker assembled without load_model hands off as vLLM 0.33.0 does,
-and a stand-in model that only looks like the protocol declares nothing."""
+loaded: a worker assembled without load_model hands off as vLLM without the
+series does, and a stand-in model that only looks like the protocol declares
+nothing."""
 
 import contextlib
 import sys
@@ -11,11 +12,12 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 from vllm.model_executor.models import interfaces
 from vllm.sequence import IntermediateTensors
 from vllm.v1.worker import gpu_worker
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 from vllm.v1.worker.gpu_worker import Worker
+from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
 
 TOKENS = 6
 HIDDEN = 4
@@ -48,6 +50,8 @@ class PPGroup:
 class StubRunner:
     """A runner that hands its input on: no model, no get_model."""
 
+    is_pooling_model = False
+
     def __init__(self) -> None:
         self.received: list[IntermediateTensors | None] = []
 
@@ -68,7 +72,8 @@ def worker_without_load_model() -> Worker:
     worker = Worker.__new__(Worker)
     worker._pp_send_work = []
     worker.profiler = None
-    worker.use_v2_model_runner = False
+    if HAS_LEGACY_RUNNER:  # 0.34.0 has Model Runner V2 only, and no such switch
+        worker.use_v2_model_runner = False
     worker.model_runner = StubRunner()
     worker.vllm_config = types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(distributed_executor_backend="mp")
@@ -108,19 +113,16 @@ def test_a_magicmock_model_declares_nothing_with_at_most_one_warning(monkeypatch
     model = mock.MagicMock()
     looks_the_part = interfaces.supports_pp_all_gather_overrides(model)
     assert looks_the_part == (sys.version_info < (3, 12))
-    # What the legacy runner's load_model keeps; steps ask nothing more.
-    runner = types.SimpleNamespace(
-        intermediate_tensors=intermediate(64),
-        _pp_hand_off=interfaces.get_pp_hand_off_declaration(model),
-    )
+    # What a runner's load_model keeps; steps ask nothing more, and hand over
+    # as the runners do.
+    declared = interfaces.get_pp_hand_off_declaration(model)
+    buffers = intermediate(64)
     for rows in (TOKENS, TOKENS + 2):
         received = intermediate(rows)
-        handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
-            runner, TOKENS, received, True
-        )
+        handed = hand_over_intermediate_tensors(buffers, received, TOKENS, declared)
         for key, tensor in handed.items():
             torch.testing.assert_close(tensor, received[key][:TOKENS])
-    assert runner._pp_hand_off == interfaces.PPHandOffDeclaration()
+    assert declared == interfaces.PPHandOffDeclaration()
     assert len(warnings) == int(looks_the_part)
     assert all("taken as undeclared" in warning[0] for warning in warnings)
 

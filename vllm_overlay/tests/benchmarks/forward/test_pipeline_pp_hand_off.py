@@ -23,7 +23,7 @@ from vllm.distributed.parallel_state import GroupCoordinator
 from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
 from vllm.models.common.ops.sequence_parallel import sp_shard_rows
 from vllm.sequence import IntermediateTensors
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
 
 CAPACITY = 128  # max_num_tokens rows of the runner's persistent buffers
 HIDDEN = 8
@@ -120,9 +120,10 @@ class StageModel(ShardedModel):
 
 
 class Runner:
-    """What of the legacy runner ``PipelineBench.run`` drives: its
-    ``execute_model`` prepares the batch, hands the given tensors over with
-    the runner's own code, then calls the model."""
+    """What of Model Runner V2 ``PipelineBench.run`` drives: its
+    ``execute_model`` prepares the batch, hands the given tensors over as the
+    runner's own ``execute_model`` does (``hand_over_intermediate_tensors``
+    with the declaration ``load_model`` kept), then calls the model."""
 
     pcp_manager = None
     execute_model_state = None
@@ -142,8 +143,11 @@ class Runner:
 
     def execute_model(self, scheduler_output, intermediate_tensors):
         batch = self.prepare_inputs()
-        handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
-            self, batch.num_tokens_after_padding, intermediate_tensors, True
+        handed = hand_over_intermediate_tensors(
+            self.intermediate_tensors,
+            intermediate_tensors,
+            batch.num_tokens_after_padding,
+            self._pp_hand_off,
         )
         return self.model.forward(input_ids=None, intermediate_tensors=handed)
 

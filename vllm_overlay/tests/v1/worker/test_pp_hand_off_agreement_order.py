@@ -12,6 +12,7 @@ import types
 
 import pytest
 
+from vllm.model_executor.model_loader.weight_cache.utils import ExternalWeightCharges
 from vllm.v1.worker import gpu_worker
 
 
@@ -46,29 +47,47 @@ def test_hand_off_agreement_is_checked_before_the_first_pp_send_or_recv(monkeypa
     assert calls == ["check(config, model, runner)"]
 
 
-@pytest.mark.parametrize("v2", [False, True])
-def test_v1_runner_aux_layers_are_checked_when_the_model_is_loaded(monkeypatch, v2):
-    """The V1 runner sets aux layers on the last stage only, while it loads
-    the model; the worker checks them then, before memory profiling runs the
-    first forward. The V2 runner relays taps from every stage: not checked."""
-    checked = []
-    monkeypatch.setattr(
-        gpu_worker, "check_aux_layers_on_the_last_stage", checked.append
-    )
+class DeclaresShards:
+    """A model whose PP hand-offs are TP shards (as Kimi K3 under SP)."""
+
+    def get_pp_intermediate_tensor_all_gather_overrides(self) -> dict[str, bool]:
+        return {"hidden_states": False, "residual": False}
+
+    def get_pp_intermediate_tensor_num_rows(self, num_tokens: int) -> int:
+        return -(-num_tokens // 2)
+
+
+@pytest.mark.parametrize("model", [DeclaresShards(), object()])
+def test_load_model_keeps_the_models_transport_overrides(monkeypatch, model):
+    """The worker keeps, once the runner loaded the model, the overrides its
+    execute_model passes to every PP receive and send (None, the transport's
+    default, for a model that declares nothing). Model Runner V2 is the only
+    runner: load_model asks nothing of another (this worker has no
+    use_v2_model_runner to ask)."""
     monkeypatch.setattr(gpu_worker, "set_current_vllm_config", contextlib.nullcontext)
     monkeypatch.setattr(gpu_worker, "has_ec_transfer", lambda: False)
     monkeypatch.setattr(gpu_worker, "set_torch_threads_for_runtime", lambda: None)
     loaded = []
     runner = types.SimpleNamespace(
-        load_model=lambda **kwargs: loaded.append(kwargs), get_model=lambda: "model"
+        load_model=lambda **kwargs: loaded.append(kwargs), get_model=lambda: model
     )
-    worker = types.SimpleNamespace(
-        vllm_config=types.SimpleNamespace(weight_transfer_config=None),
-        model_runner=runner,
-        use_v2_model_runner=v2,
-        _maybe_get_memory_pool_context=lambda tag: contextlib.nullcontext(),
-        _scoped_allocator_max_split=lambda **kwargs: contextlib.nullcontext(),
+    worker = object.__new__(gpu_worker.Worker)
+    worker.vllm_config = types.SimpleNamespace(weight_transfer_config=None)
+    worker.model_runner = runner
+    worker._external_weight_charges = ExternalWeightCharges()
+    monkeypatch.setattr(
+        worker, "_maybe_get_memory_pool_context", lambda tag: contextlib.nullcontext()
     )
-    gpu_worker.Worker.load_model(worker)
+    monkeypatch.setattr(
+        worker, "_scoped_allocator_max_split", lambda **kw: contextlib.nullcontext()
+    )
+    assert worker._pp_all_gather_tensors is None  # before load_model
+    worker.load_model()
     assert loaded == [{"load_dummy_weights": False}]
-    assert checked == ([] if v2 else ["model"])
+    if isinstance(model, DeclaresShards):
+        assert worker._pp_all_gather_tensors == {
+            "hidden_states": False,
+            "residual": False,
+        }
+    else:
+        assert worker._pp_all_gather_tensors is None

@@ -1,12 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The rows both model runners hand a model after a PP hand-off, and the rows
-V2 CUDA graph replay returns, when the model keeps its stage outputs
+"""The rows Model Runner V2 hands a model after a PP hand-off, and the rows
+its CUDA graph replay returns, when the model keeps its stage outputs
 sequence parallel: each TP rank receives ``c = ceil(N / TP)`` rows.
 
-The runners' methods run unbound on fakes that hold only the persistent
-buffers they touch (``max_num_tokens`` rows, as the runners allocate them)
-and the model they ask what it expects: ``ShardedModel`` declares its shard,
+The runner's hand-over runs on the persistent buffers it touches
+(``max_num_tokens`` rows, as the runner allocates them) with the declaration
+of the model it asks what it expects: ``ShardedModel`` declares its shard,
 ``REPLICATED`` stands for every model that declares nothing.
 """
 
@@ -34,7 +34,6 @@ from vllm.v1.worker.gpu.cudagraph_utils import (
 )
 from vllm.v1.worker.gpu.model_runner import GPUModelRunner as V2ModelRunner
 from vllm.v1.worker.gpu.pp_utils import PPHandler
-from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
 TOKEN_COUNTS = [1, 3, 8, 17, 64]
 TP_SIZES = [2, 4, 8]
@@ -74,15 +73,6 @@ class ShardedModel:
 
 
 REPLICATED = object()  # a model that declares nothing, as every other model
-
-
-def legacy_runner(model: object) -> types.SimpleNamespace:
-    """The legacy runner's state after load_model took ``model``'s
-    declaration."""
-    return types.SimpleNamespace(
-        intermediate_tensors=persistent_buffers(),
-        _pp_hand_off=get_pp_hand_off_declaration(model),
-    )
 
 
 def row_rule(model: object) -> PPHandOffDeclaration:
@@ -145,74 +135,72 @@ def test_model_refuses_rows_that_are_neither_its_shard_nor_the_batch(
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-def test_legacy_real_step_hands_exactly_the_received_shard(num_tokens, tp):
-    runner = legacy_runner(ShardedModel(tp))
+def test_real_step_hands_exactly_the_received_shard(num_tokens, tp):
+    buffers = persistent_buffers()
     received = hand_off(sp_shard_rows(num_tokens, tp), seed=num_tokens)
-    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
-        runner, num_tokens, received, True
+    handed = pp_rows.hand_over_intermediate_tensors(
+        buffers, received, num_tokens, row_rule(ShardedModel(tp))
     )
     for key, tensor in handed.items():
         assert tensor.shape == received[key].shape, key
         # The leading rows of the persistent buffer: where capture reads.
-        assert tensor.data_ptr() == runner.intermediate_tensors[key].data_ptr()
+        assert tensor.data_ptr() == buffers[key].data_ptr()
         torch.testing.assert_close(tensor, received[key], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-def test_legacy_dummy_run_buffers_are_narrowed_once_by_the_model(
-    num_tokens, tp, monkeypatch
-):
+def test_dummy_run_buffers_are_narrowed_once_by_the_model(num_tokens, tp, monkeypatch):
     """Dummy runs, profiling and capture hand ``num_tokens`` rows of the
     full buffers; the model narrows them to the same leading rows a real
     step writes."""
     monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: tp)
-    runner = legacy_runner(ShardedModel(tp))
-    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
-        runner, num_tokens, None, False
+    buffers = persistent_buffers()
+    handed = pp_rows.hand_over_intermediate_tensors(
+        buffers, None, num_tokens, row_rule(ShardedModel(tp))
     )
     assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
     narrowed = k3_sp.narrow_to_sequence_parallel_rows(handed, num_tokens)
     again = k3_sp.narrow_to_sequence_parallel_rows(narrowed, num_tokens)
     for key, tensor in narrowed.items():
         assert tensor.shape[0] == sp_shard_rows(num_tokens, tp)
-        assert tensor.data_ptr() == runner.intermediate_tensors[key].data_ptr()
+        assert tensor.data_ptr() == buffers[key].data_ptr()
         assert again[key].shape == tensor.shape  # a no-op on local rows
 
 
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-def test_legacy_real_step_without_sp_is_unchanged(num_tokens):
-    runner = legacy_runner(REPLICATED)
+def test_real_step_without_sp_is_unchanged(num_tokens):
     received = hand_off(num_tokens)
-    handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
-        runner, num_tokens, received, True
+    handed = pp_rows.hand_over_intermediate_tensors(
+        persistent_buffers(), received, num_tokens, row_rule(REPLICATED)
     )
     assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
 
 
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-def test_both_runners_cut_a_hand_off_longer_than_the_batch(num_tokens):
+def test_the_runner_cuts_a_hand_off_longer_than_the_batch(num_tokens):
     """A sender's whole ``max_num_tokens``-row buffers (what ``vllm bench
     forward`` hands over) reach the model as their first ``num_tokens`` rows,
-    through either runner, as 0.33.0 cut every hand-off."""
+    as the runner cut every hand-off before."""
     received = hand_off(CAPACITY, seed=num_tokens)
-    legacy = GPUModelRunner.sync_and_gather_intermediate_tensors(
-        legacy_runner(REPLICATED), num_tokens, received, True
-    )
-    v2 = pp_rows.hand_over_intermediate_tensors(
+    handed = pp_rows.hand_over_intermediate_tensors(
         persistent_buffers(), received, num_tokens, row_rule(REPLICATED)
     )
-    for handed in (legacy, v2):
-        for key, tensor in handed.items():
-            expected = received[key][:num_tokens]
-            torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
+    for key, tensor in handed.items():
+        expected = received[key][:num_tokens]
+        torch.testing.assert_close(tensor, expected, rtol=0, atol=0)
 
 
-def graph_manager() -> ModelCudaGraphManager:
-    """The V2 graph manager's output state only: no devices, no graphs."""
+def graph_manager(max_tokens: int) -> ModelCudaGraphManager:
+    """The V2 graph manager's output state only: no devices, no graphs; its
+    output buffers allocated as ``capture`` allocates them, with the rows of
+    the widest graph (``persistent_like``)."""
     manager = ModelCudaGraphManager.__new__(ModelCudaGraphManager)
     manager.is_last_pp_rank = False
-    manager.intermediate_tensors = None
+    manager.intermediate_tensors = IntermediateTensors(
+        {k: torch.full((max_tokens, *v.shape[1:]), float("nan"))
+         for k, v in hand_off(1).items()}
+    )  # fmt: skip
     manager.intermediate_rows = {}
     return manager
 
@@ -223,7 +211,8 @@ def test_graphs_record_their_rows_and_replay_returns_them(tp, monkeypatch):
     monkeypatch.setattr(
         CudaGraphManager, "run_fullgraph", lambda self, desc: replayed.append(desc)
     )
-    manager = graph_manager()
+    manager = graph_manager(max(TOKEN_COUNTS))
+    buffers = {k: v.data_ptr() for k, v in manager.intermediate_tensors.items()}
     descs = {
         n: BatchExecutionDescriptor(CUDAGraphMode.FULL, num_tokens=n, num_reqs=n)
         for n in sorted(TOKEN_COUNTS, reverse=True)  # capture: largest first
@@ -233,11 +222,13 @@ def test_graphs_record_their_rows_and_replay_returns_them(tp, monkeypatch):
     }  # fmt: skip
     for n, desc in descs.items():
         manager.store_intermediate_tensors(desc, outputs[n])
-    largest = sp_shard_rows(max(TOKEN_COUNTS), tp)
-    # Later, smaller captures did not shrink the buffers the first allocated.
+    # Every capture wrote into the buffers the manager holds, at capacity.
     assert {t.shape[0] for t in manager.intermediate_tensors.tensors.values()} == {
-        largest
+        max(TOKEN_COUNTS)
     }
+    assert {k: v.data_ptr() for k, v in manager.intermediate_tensors.items()} == (
+        buffers
+    )
     for n, desc in descs.items():
         assert manager.intermediate_rows[desc] == sp_shard_rows(n, tp)
         view = manager.run_fullgraph(desc)
@@ -320,26 +311,29 @@ def test_runners_refuse_a_shard_of_other_rows_before_the_copy(num_tokens, tp):
     where the model's own code does not run, is checked too."""
     shard = sp_shard_rows(num_tokens, tp)
     for rows in sorted({shard - 1, shard + 1, num_tokens, CAPACITY} - {0, shard}):
-        runner = legacy_runner(ShardedModel(tp))
+        buffers = persistent_buffers()
         with pytest.raises(ValueError) as refused:
-            GPUModelRunner.sync_and_gather_intermediate_tensors(
-                runner, num_tokens, hand_off(rows, seed=1), True
+            pp_rows.hand_over_intermediate_tensors(
+                buffers, hand_off(rows, seed=1), num_tokens, row_rule(ShardedModel(tp))
             )
         assert str(refused.value).startswith(
             f"Received PP intermediate tensors of {rows} rows for a step of "
             f"{num_tokens} tokens where this stage expects {shard}: the stages "
             "padded the batch differently."
         )
-        untouched = runner.intermediate_tensors
-        assert all(not t.any() for t in untouched.tensors.values()), rows
+        assert all(not t.any() for t in buffers.tensors.values()), rows
 
 
 @pytest.mark.parametrize("num_tokens", [3, 17, 64])
 def test_runners_refuse_a_replicated_hand_off_shorter_than_the_batch(num_tokens):
-    """0.33.0 failed on this copy's shapes; the message now names the rows."""
+    """The runner failed on this copy's shapes; the message now names the
+    rows."""
     with pytest.raises(ValueError, match=f"expects at least {num_tokens}:"):
-        GPUModelRunner.sync_and_gather_intermediate_tensors(
-            legacy_runner(REPLICATED), num_tokens, hand_off(num_tokens - 1), True
+        pp_rows.hand_over_intermediate_tensors(
+            persistent_buffers(),
+            hand_off(num_tokens - 1),
+            num_tokens,
+            row_rule(REPLICATED),
         )
 
 
@@ -352,9 +346,16 @@ def test_v2_hands_over_before_it_replays_a_graph():
     assert hand_over < source.index("self.cudagraph_manager.run_fullgraph(")
 
 
-def test_find_candidate_is_what_dispatch_runs_once_graphs_are_captured(monkeypatch):
-    """The start-up check asks find_candidate before capture; dispatch asks
-    it once graphs are captured, so both pad every batch alike."""
+def graph_sizes_manager(
+    monkeypatch,
+    mode: CUDAGraphMode,
+    decode_query_lens: dict[int, int],
+    prefill_sizes: list[int],
+    decode_sizes: list[int],
+    **kwargs,
+) -> CudaGraphManager:
+    """A graph manager of a middle PP stage, built on the CPU from resolved
+    graph sizes: prefill token counts and decode request counts."""
     from vllm.config import VllmConfig
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu import cudagraph_utils
@@ -367,10 +368,22 @@ def test_find_candidate_is_what_dispatch_runs_once_graphs_are_captured(monkeypat
     monkeypatch.setattr(current_platform, "get_global_graph_pool", lambda: None)
     config = VllmConfig()
     # After VllmConfig's own resolution, which drops graphs on the CPU.
-    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
-    config.compilation_config.max_cudagraph_capture_size = 8
-    manager = CudaGraphManager(
-        config, torch.device("cpu"), CUDAGraphMode.FULL_DECODE_ONLY, decode_query_len=2
+    compilation = config.compilation_config
+    compilation.prefill_cudagraph_capture_token_sizes = prefill_sizes
+    compilation.decode_cudagraph_capture_request_sizes = decode_sizes
+    compilation.max_cudagraph_capture_size = max(
+        [*prefill_sizes, *(n * q for n in decode_sizes for q in decode_query_lens)]
+    )
+    return CudaGraphManager(
+        config, torch.device("cpu"), mode, decode_query_lens, **kwargs
+    )
+
+
+def test_find_candidate_is_what_dispatch_runs_once_graphs_are_captured(monkeypatch):
+    """The start-up check asks find_candidate before capture; dispatch asks
+    it once graphs are captured, so both pad every batch alike."""
+    manager = graph_sizes_manager(
+        monkeypatch, CUDAGraphMode.FULL_DECODE_ONLY, {2: 8}, [1, 2, 4, 8], [1, 2, 4]
     )
     shapes = [
         (num_reqs, num_tokens, uniform)
@@ -392,9 +405,38 @@ def test_find_candidate_is_what_dispatch_runs_once_graphs_are_captured(monkeypat
         else:
             assert desc == found
         padded[num_reqs, num_tokens, uniform] = desc.num_tokens
-    # Uniform decodes of 2 tokens per request pad to the rounded sizes.
+    # Uniform decodes of 2 tokens per request pad to the graphs of 1, 2 and 4
+    # requests; 5 requests, above them, run eager.
     assert [padded[n // 2, n, 2] for n in (2, 4, 6, 8, 10)] == [2, 4, 8, 8, 10]
     assert padded[3, 5, None] == 5  # FULL_DECODE_ONLY: mixed batches run eager
+
+
+def test_find_candidate_tries_the_decode_table_before_the_token_graphs(monkeypatch):
+    """A uniform decode batch takes the graph of its request count from the
+    table of its query length (3 requests of 2 tokens: 6 tokens), before any
+    token-keyed graph (8 tokens): the padding the runner dispatches, which
+    the start-up check must compare. Each query length has its own table."""
+    manager = graph_sizes_manager(
+        monkeypatch,
+        CUDAGraphMode.FULL_AND_PIECEWISE,
+        {2: 8, 4: 4},
+        [1, 2, 4, 8, 16],
+        [1, 2, 3, 4],
+    )
+    table = {
+        # (requests, tokens per request): tokens padded to
+        (1, 2): 2,
+        (3, 2): 6,  # the decode graph of 3 requests, not the 8-token graph
+        (4, 2): 8,
+        (3, 4): 12,  # 3 requests of 4 tokens: 12, where tokens pad to 16
+        (5, 2): 16,  # no decode graph of 5 requests: the token-keyed one
+    }
+    for (num_reqs, q), want in table.items():
+        desc = manager.find_candidate(num_reqs, num_reqs * q, q, 0, q)
+        assert desc is not None and desc.num_tokens == want, (num_reqs, q, desc)
+    # The same tokens as a batch with a prefill take the token-keyed graphs.
+    assert manager.find_candidate(6, 6, None, 0).num_tokens == 8
+    assert manager.find_candidate(12, 12, None, 0).num_tokens == 16
 
 
 @pytest.mark.parametrize("num_active_loras", [0, 1, 2, 3, 4, 5])
@@ -404,24 +446,12 @@ def test_find_candidate_resolves_lora_counts_as_dispatch_does(
     """The start-up check asks find_candidate with a batch's own LoRA count:
     below, at, between and above the captured cases (2 and 4) it must pad as
     dispatch does once graphs are captured."""
-    from vllm.config import VllmConfig
-    from vllm.platforms import current_platform
-    from vllm.v1.worker.gpu import cudagraph_utils
-
-    monkeypatch.setattr(
-        cudagraph_utils,
-        "get_pp_group",
-        lambda: types.SimpleNamespace(is_first_rank=False, is_last_rank=False),
-    )
-    monkeypatch.setattr(current_platform, "get_global_graph_pool", lambda: None)
-    config = VllmConfig()
-    config.compilation_config.cudagraph_capture_sizes = [1, 2, 4, 8]
-    config.compilation_config.max_cudagraph_capture_size = 8
-    manager = CudaGraphManager(
-        config,
-        torch.device("cpu"),
+    manager = graph_sizes_manager(
+        monkeypatch,
         CUDAGraphMode.FULL_DECODE_ONLY,
-        decode_query_len=2,
+        {2: 8},
+        [1, 2, 4, 8],
+        [1, 2, 4],
         lora_capture_cases=[0, 2, 4],
     )
     manager._graphs_captured = True

@@ -58,8 +58,11 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "--enable-extensible-kv-cache (--kv-cache-memory-bytes)",
         "--speculative-config",
         "--max-num-batched-tokens",
-        "--max-model-len",
         "--max-num-seqs",
+    ),
+    "kv_cache_sizing": (
+        "--enable-extensible-kv-cache (--kv-cache-memory-bytes)",
+        "--max-model-len",
         "--max-logprobs",
     ),
     "batch_padding": (
@@ -235,10 +238,8 @@ def pp_hand_off_settings(
         },
         # Kernel warm-up runs real PP steps through the worker when JIT
         # warm-up or the extensible KV cache is on (a second pass with spec
-        # decode, each sized by the decode query length); the extensible KV
-        # cache then runs its sizing steps, sized by the scheduler budget,
-        # the model length and the logprobs asked: every stage must run the
-        # same ones.
+        # decode, each sized by the decode query length, its requests capped
+        # by the scheduler's budgets): every stage must run the same ones.
         "warm_up": {
             "enable_jit_warmup": vllm_config.kernel_config.enable_jit_warmup,
             "enable_extensible_kv_cache": (
@@ -248,6 +249,11 @@ def pp_hand_off_settings(
             "num_speculative_tokens": vllm_config.num_speculative_tokens,
             "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
             "max_num_seqs": scheduler_config.max_num_seqs,
+        },
+        # The extensible KV cache then runs its sizing steps, also sized by
+        # the model length (prefills per request) and the logprobs asked (a
+        # prompt-logprobs step); the kernel warm-up reads neither.
+        "kv_cache_sizing": {
             "max_model_len": vllm_config.model_config.max_model_len,
             "max_logprobs": vllm_config.model_config.max_logprobs,
         },
@@ -346,12 +352,13 @@ def aux_slot_problems(everyone: list[dict[str, Any]]) -> list[str]:
 
 def warm_up_problems(everyone: list[dict[str, Any]]) -> list[str]:
     """Warm-up steps differ only where some stage runs them."""
-    if not any(
-        s["warm_up"]["enable_jit_warmup"] or s["warm_up"]["enable_extensible_kv_cache"]
-        for s in everyone
-    ):
+    sizing = any(s["warm_up"]["enable_extensible_kv_cache"] for s in everyone)
+    if not sizing and not any(s["warm_up"]["enable_jit_warmup"] for s in everyone):
         return []
-    return differences(everyone, ("warm_up",))
+    problems = differences(everyone, ("warm_up",))
+    if sizing:
+        problems += differences(everyone, ("kv_cache_sizing",))
+    return problems
 
 
 def padding_problem(

@@ -1,0 +1,156 @@
+# SPDX-License-Identifier: Apache-2.0
+"""What the start-up agreement's enumeration costs on vLLM 0.34.0.
+
+Each PP stage lists every batch its runner can dispatch up to the widest CUDA
+graph (``batch_shapes``) and asks its graph manager, before capture, how it
+pads each (``hand_off_rows`` through ``RunnerPadding``, which asks
+``CudaGraphManager.find_candidate``). This builds a real 0.34.0
+``CudaGraphManager`` on the CPU with the graph sizes vLLM resolves on an
+SM100 GPU by default (``VllmConfig._split_cudagraph_capture_sizes`` with the
+device family answered as 100: prefill graphs up to 8192 tokens, decode
+graphs of up to ``--max-num-seqs`` requests within 8192 tokens) for uniform
+decodes of each speculative query length, and times both calls (best of
+``--repeat``), with the size of the answer a stage sends the others.
+
+    .venv/bin/python -m tests.unit.agreement_cost [--spec 1 2 3]
+        [--max-num-seqs 1024] [--max-num-batched-tokens 8192] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import time
+import types
+from collections.abc import Sequence
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+
+class ShardedModel:
+    """Declares its hand-off as TP shards, as Kimi K3 under SP at TP8."""
+
+    def __init__(self, tp: int = 8) -> None:
+        self.tp = tp
+
+    def get_pp_intermediate_tensor_all_gather_overrides(self) -> dict[str, bool]:
+        return {"hidden_states": False, "residual": False}
+
+    def get_pp_intermediate_tensor_num_rows(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.tp)
+
+
+def sm100_manager(
+    spec: Sequence[int],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    mode: str = "FULL_AND_PIECEWISE",
+):
+    """A middle stage's VllmConfig and graph manager with SM100's default
+    graph sizes, uniform decodes of ``1 + k`` tokens for each ``k`` in
+    ``spec``, each up to ``max_num_seqs`` requests."""
+    from tests.sppp_testbed.cpu_platform import accept_x86_without_triton
+
+    accept_x86_without_triton()
+    from vllm.config import CUDAGraphMode, VllmConfig
+    from vllm.platforms import current_platform
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    config = VllmConfig()
+    config.scheduler_config.max_num_seqs = max_num_seqs
+    config.scheduler_config.max_num_batched_tokens = max_num_batched_tokens
+    compilation = config.compilation_config
+    compilation.cudagraph_mode = CUDAGraphMode[mode]
+    compilation.cudagraph_capture_sizes = []
+    compilation.max_cudagraph_capture_size = None
+    query_lens = {1 + k: max_num_seqs for k in spec}
+    saved = (
+        current_platform.is_device_capability_family,
+        current_platform.get_global_graph_pool,
+        cudagraph_utils.get_pp_group,
+    )
+    current_platform.is_device_capability_family = lambda family: family == 100
+    current_platform.get_global_graph_pool = lambda: None
+    cudagraph_utils.get_pp_group = lambda: types.SimpleNamespace(
+        is_first_rank=False, is_last_rank=False
+    )
+    try:
+        config._split_cudagraph_capture_sizes(False, query_lens)
+        manager = cudagraph_utils.CudaGraphManager(
+            config, torch_cpu(), compilation.cudagraph_mode, query_lens
+        )
+    finally:
+        (
+            current_platform.is_device_capability_family,
+            current_platform.get_global_graph_pool,
+            cudagraph_utils.get_pp_group,
+        ) = saved
+    return config, manager
+
+
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
+def measure(
+    spec: Sequence[int],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    repeat: int,
+) -> dict[str, float | int]:
+    from vllm.v1.worker.pp_hand_off_agreement import (
+        RunnerPadding,
+        batch_shapes,
+        hand_off_rows,
+    )
+
+    config, manager = sm100_manager(spec, max_num_seqs, max_num_batched_tokens)
+    padding = RunnerPadding(config, types.SimpleNamespace(cudagraph_manager=manager))
+    model = ShardedModel()
+    shapes_s = rows_s = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        shapes = batch_shapes(
+            padding.max_num_tokens, padding.decode_query_len, padding.lora_counts
+        )
+        middle = time.perf_counter()
+        rows = hand_off_rows(model, padding, shapes)
+        end = time.perf_counter()
+        shapes_s = min(shapes_s, middle - start)
+        rows_s = min(rows_s, end - middle)
+    return {
+        "max_cudagraph_capture_size": padding.max_num_tokens,
+        "decode_query_len": padding.decode_query_len,
+        "prefill_graphs": len(
+            config.compilation_config.prefill_cudagraph_capture_token_sizes
+        ),
+        "decode_request_sizes": len(
+            config.compilation_config.decode_cudagraph_capture_request_sizes
+        ),
+        "shapes": len(shapes),
+        "batch_shapes_s": shapes_s,
+        "hand_off_rows_s": rows_s,
+        "answer_bytes": len(pickle.dumps(rows)),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spec", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--max-num-seqs", type=int, default=1024)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    result = measure(
+        args.spec, args.max_num_seqs, args.max_num_batched_tokens, args.repeat
+    )
+    for key, value in result.items():
+        print(f"{key}: {value:.3f}" if isinstance(value, float) else f"{key}: {value}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,129 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The start-up agreement pads every batch as vLLM 0.34.0's runner will.
+
+``RunnerPadding`` and ``hand_off_rows`` (``pp_hand_off_agreement``) ask the
+stage's real ``CudaGraphManager`` before capture, through the series'
+``find_candidate`` (patch 0004). What the runner does once graphs are
+captured is 0.34.0's own ``CudaGraphManager.dispatch``, as the wheel ships it:
+the patched file's original, read from apply's journal, compiled beside the
+patched module (patched, ``dispatch`` calls ``find_candidate`` and could not
+tell the two apart). Every batch the agreement enumerates must pad to the
+same tokens, uniform decodes included, whose graph 0.34.0 looks up by request
+count in a table of their query length before the token-keyed graphs: 3
+requests of 2 tokens run the 6-token decode graph where the token-keyed
+table holds 8 tokens. A ``find_candidate`` without that table fails here.
+"""
+
+from __future__ import annotations
+
+import ast
+import textwrap
+import types
+
+import pytest
+
+import apply
+from tests.sppp_testbed.bases import only_from_0_34
+from tests.sppp_testbed.pristine import installed_vllm_root
+from tests.unit import agreement_cost
+
+pytestmark = only_from_0_34("the uniform-decode table of CudaGraphManager")
+
+PATCHED_FILE = "vllm/v1/worker/gpu/cudagraph_utils.py"
+
+
+def shipped_dispatch():
+    """``CudaGraphManager.dispatch`` of the wheel's own file, compiled in the
+    installed (patched) module's namespace, so it runs on the same manager."""
+    from vllm.v1.worker.gpu import cudagraph_utils
+
+    original = apply.original_files(installed_vllm_root())(PATCHED_FILE)
+    assert original is not None, PATCHED_FILE
+    source = original.read_text()
+    tree = ast.parse(source)
+    (manager,) = (
+        node
+        for node in tree.body
+        if isinstance(node, ast.ClassDef) and node.name == "CudaGraphManager"
+    )
+    (dispatch,) = (
+        node
+        for node in manager.body
+        if isinstance(node, ast.FunctionDef) and node.name == "dispatch"
+    )
+    code = textwrap.dedent(ast.get_source_segment(source, dispatch))
+    # The wheel's own: the series' split into find_candidate is not there.
+    assert "find_candidate" not in code and "_decode_descs" in code
+    namespace = dict(vars(cudagraph_utils))
+    exec(compile(code, str(original), "exec"), namespace)
+    return namespace["dispatch"]
+
+
+@pytest.fixture(scope="module")
+def stage():
+    """A middle stage with SM100's default graph sizes for 256 requests and
+    uniform decodes of 2, 3 and 4 tokens (speculative decoding of 1 to 3
+    tokens), as the agreement sees it."""
+    from vllm.v1.worker.pp_hand_off_agreement import RunnerPadding
+
+    config, manager = agreement_cost.sm100_manager(
+        spec=(1, 2, 3), max_num_seqs=256, max_num_batched_tokens=2048
+    )
+    padding = RunnerPadding(config, types.SimpleNamespace(cudagraph_manager=manager))
+    return types.SimpleNamespace(config=config, manager=manager, padding=padding)
+
+
+def test_the_agreement_asks_the_runners_own_graph_manager(stage):
+    assert stage.padding.manager is stage.manager
+    assert stage.padding.decode_query_len == 4
+    assert stage.padding.max_num_tokens == 2048
+    assert stage.manager._decode_descs  # the uniform-decode tables are built
+
+
+def test_every_batch_pads_as_the_shipped_dispatch_pads_it(stage):
+    from vllm.v1.worker.pp_hand_off_agreement import batch_shapes, hand_off_rows
+
+    dispatch = shipped_dispatch()
+    padding, manager = stage.padding, stage.manager
+    shapes = batch_shapes(
+        padding.max_num_tokens, padding.decode_query_len, padding.lora_counts
+    )
+    model = agreement_cost.ShardedModel(tp=8)
+    rows = hand_off_rows(model, padding, shapes)
+    manager._graphs_captured = True  # what capture() leaves; no graph is run
+    try:
+        wrong, decode_table = [], 0
+        for shape, (padded, declared) in zip(shapes, rows, strict=True):
+            runs = dispatch(
+                manager,
+                shape.num_reqs,
+                shape.num_tokens,
+                shape.uniform_token_count,
+                shape.num_active_loras,
+                shape.max_query_len,
+            ).num_tokens
+            if (padded, declared) != (runs, -(-runs // 8)):
+                wrong.append(f"{shape}: agreement {padded}, runner {runs}")
+            if shape.uniform_token_count is not None:
+                tokens_only = manager.find_candidate(
+                    shape.num_reqs, shape.num_tokens, None, 0
+                )
+                if tokens_only is not None and tokens_only.num_tokens != runs:
+                    decode_table += 1
+    finally:
+        manager._graphs_captured = False
+    assert not wrong, "\n".join(wrong[:20])
+    # Batches the decode table pads otherwise than the token-keyed graphs
+    # were among them (3 requests of 2 tokens: 6, not 8).
+    assert decode_table > 0
+
+
+def test_uniform_decodes_take_their_request_count_graph(stage):
+    """The case named above, as the agreement reports it."""
+    from vllm.v1.worker.pp_hand_off_agreement import BatchShape
+
+    padding = stage.padding
+    assert padding.padded_num_tokens(BatchShape(6, 2, 2)) == 6
+    assert padding.padded_num_tokens(BatchShape(6)) == 8  # with a prefill
+    assert padding.padded_num_tokens(BatchShape(9, 3, 3)) == 9
+    assert padding.padded_num_tokens(BatchShape(9)) == 16
