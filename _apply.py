@@ -32,15 +32,27 @@ from pathlib import Path, PurePosixPath
 HELP_DESCRIPTION = "Apply, revert and inspect the k3-sppp patch set on a vLLM tree."
 HELP_EPILOG = """\
 A *target* is a directory that contains the ``vllm/`` package: a
-``site-packages`` directory (the default is this project's ``.venv``), a vLLM
-git checkout root, or a virtual environment (its ``site-packages`` is used).
+``site-packages`` directory, a vLLM git checkout root, or a virtual
+environment (its ``site-packages`` is used).  The default is this project's
+``.venv``, or the project venv ``.venv-VERSION`` whose Python runs apply.py.
+
+The patch set keeps one series per vLLM release: ``patches/`` for the
+default one (its ``base.version``), ``bases/VERSION/patches/`` for each
+other.  Every command takes the series of the target's vLLM version (an
+applied target: the one its journal records; a checkout that states no
+version: the one whose pinned originals its files match) and refuses a
+version the patch set keeps no series for, naming it, the files that say it
+and the versions kept (exit 4), before anything is written.  The overlay
+``vllm_overlay/`` is shared; ``bases/VERSION/vllm_overlay/`` holds only the
+files that VERSION needs otherwise, each in place of the shared one.
+``lint`` checks every series on a pristine tree of its own vLLM.
 
 Every write goes through one transaction, for ``apply`` and ``revert``
 alike: everything is checked and staged first (for apply: the series applied
 to copies, every result hashed and compiled by the target's Python), then a
 journal in ``<target>/.k3_sppp/`` records the run before files are swapped in
 with ``os.replace`` under a lock.  Each file is therefore either
-byte-identical to vLLM 0.33.0 or byte-identical to the patched result, and the
+byte-identical to vLLM's original or byte-identical to the patched result, and the
 next ``apply`` or ``revert`` finishes a run that was stopped; ``status``
 verifies which state a tree is in.
 
@@ -68,8 +80,9 @@ Other programs read ``status --json``: one JSON object whose schema
 ``status()`` documents (``schema_version`` 1).  Python code imports
 ``apply.py`` (which refuses Pythons older than 3.9, then re-exports this
 module's ``__all__``) and uses only those names; each takes ``target`` and
-``patch_set`` as ``--target`` and ``--patch-set`` do.  The patch set names
-the vLLM version it applies to in ``patches/base.version``.
+``patch_set`` as ``--target`` and ``--patch-set`` do.  Each series names
+the vLLM version it applies to in its ``base.version``; ``bases()`` lists
+them.
 """
 
 __all__ = [
@@ -86,11 +99,13 @@ __all__ = [
     "STATUS_SCHEMA_VERSION",
     "ApplyError",
     "base_version",
+    "bases",
     "original_files",
     "record_hashes",
     "status",
     "status_text",
     "target_root",
+    "venv",
 ]
 
 PROJECT_DIR = Path(__file__).resolve().parent
@@ -120,6 +135,9 @@ MANIFEST = "base.sha256"
 # install whatever the machine's git does (see ``git_env``).
 RESULTS = "patched.sha256"
 BASE_VERSION = "base.version"
+# bases/VERSION/patches: the series for a vLLM other than the default one;
+# bases/VERSION/vllm_overlay: the overlay files that VERSION needs otherwise.
+BASES = "bases"
 STATUS_SCHEMA_VERSION = 1
 REQUIRED_HEADERS = ("Description", "Forwarded", "Drop-When", "Last-Update")
 # DEP-3: a Forwarded value other than these means "sent upstream", and then
@@ -296,6 +314,15 @@ class Patch:
 
 @dataclass
 class PatchSet:
+    """One series of the patch set, with the overlay it installs.
+
+    ``root`` is the patch set (``--patch-set``): ``patches/`` holds the
+    series for its default vLLM, ``bases/VERSION/patches/`` one for each
+    other vLLM it keeps.  ``vllm_overlay/`` is shared by every series;
+    ``bases/VERSION/vllm_overlay/`` holds only the files that VERSION needs
+    otherwise, each replacing the shared file of the same path.
+    """
+
     root: Path
     patches: list[Patch]
     overlay: list[str]  # installed overlay files (vllm/...)
@@ -303,14 +330,40 @@ class PatchSet:
     manifest: dict[str, str]
     results: dict[str, str]  # path -> SHA-256 of what apply installs there
     problems: list[str] = field(default_factory=list)
-
-    @property
-    def patch_dir(self) -> Path:
-        return self.root / "patches"
+    patch_dir: Path = Path()  # this series: root/patches or root/bases/V/patches
+    # Every overlay file (as overlay_export names it) -> the file that holds it.
+    overlay_sources: dict[str, Path] = field(default_factory=dict)
 
     @property
     def overlay_dir(self) -> Path:
+        """The shared overlay (a base's own files replace some of it:
+        ``overlay_source``)."""
         return self.root / "vllm_overlay"
+
+    @property
+    def base_dir(self) -> Path | None:
+        """``bases/VERSION`` for a series other than the default, else None."""
+        return None if self.is_default else self.patch_dir.parent
+
+    @property
+    def is_default(self) -> bool:
+        return self.patch_dir == self.root / "patches"
+
+    @property
+    def series_name(self) -> str:
+        """The series' directory as the patch set names it: ``patches`` or
+        ``bases/VERSION/patches``."""
+        return self.patch_dir.relative_to(self.root).as_posix()
+
+    def overlay_source(self, rel: str) -> Path:
+        """The file that holds overlay file ``rel`` for this series."""
+        return self.overlay_sources.get(rel, self.overlay_dir / rel)
+
+    def describe(self) -> str:
+        """``the vLLM 0.33.0 series (bases/0.33.0/patches)``, for messages."""
+        with contextlib.suppress(ApplyError):
+            return f"the vLLM {self.base_version()} series ({self.series_name})"
+        return f"the series {self.series_name}"
 
     @property
     def patched_files(self) -> list[str]:
@@ -325,44 +378,49 @@ class PatchSet:
         return sorted(self.patched_files + self.overlay)
 
     def manifest_command(self) -> str:
-        """The command that regenerates this patch set's two manifests."""
-        return command_line(self.root, None, "manifest")
+        """The command that regenerates this series' two manifests."""
+        return manifest_command(self.root, self.patch_dir)
 
     @property
     def base_version_file(self) -> Path:
         return self.patch_dir / BASE_VERSION
 
     def base_version(self) -> str:
-        """The vLLM version the series applies to: ``patches/base.version``,
+        """The vLLM version the series applies to: its ``base.version``,
         one line (``#`` lines are comments)."""
-        path = self.base_version_file
-        if not path.is_file():
-            raise ApplyError(
-                f"{path}: missing; a patch set names the vLLM version it "
-                "applies to there, in one line (e.g. 0.33.0)"
-            )
-        lines = [
-            line.strip()
-            for line in read_text(path).splitlines()
-            if line.strip() and not line.lstrip().startswith("#")
-        ]
-        if len(lines) != 1 or not _VERSION.fullmatch(lines[0]):
-            raise ApplyError(
-                f"{path}: not one version line ({lines[:3]!r}); write the vLLM "
-                "version the series applies to, e.g. 0.33.0"
-            )
-        return lines[0]
+        return read_base_version(self.base_version_file)
 
     def revision(self) -> str:
-        """Content hash of series, patches and overlay files."""
+        """Content hash of series, patches and overlay files (as composed
+        for this series), each named by its path in the patch set."""
         digest = hashlib.sha256()
         inputs = [self.patch_dir / "series"]
         inputs += [p.path for p in self.patches]
-        inputs += [self.overlay_dir / rel for rel in self.overlay_export]
+        inputs += [self.overlay_source(rel) for rel in self.overlay_export]
         for path in inputs:
             digest.update(str(path.relative_to(self.root)).encode() + b"\0")
             digest.update(path.read_bytes() + b"\0")
         return digest.hexdigest()[:12]
+
+
+def read_base_version(path: Path) -> str:
+    """The one version line of a ``base.version`` file."""
+    if not path.is_file():
+        raise ApplyError(
+            f"{path}: missing; a patch set names the vLLM version it "
+            "applies to there, in one line (e.g. 0.33.0)"
+        )
+    lines = [
+        line.strip()
+        for line in read_text(path).splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    if len(lines) != 1 or not _VERSION.fullmatch(lines[0]):
+        raise ApplyError(
+            f"{path}: not one version line ({lines[:3]!r}); write the vLLM "
+            "version the series applies to, e.g. 0.33.0"
+        )
+    return lines[0]
 
 
 _DIFF_GIT = re.compile(r"^diff --git a/(\S+) b/(\S+)$")
@@ -466,15 +524,81 @@ def read_manifest(path: Path, regenerate: str) -> dict[str, str]:
     return manifest
 
 
-def load_patch_set(root: Path) -> PatchSet:
-    """Load and lint the series; lint problems are kept in ``problems``."""
-    patch_dir = root / "patches"
+def series_dirs(root: Path) -> list[Path]:
+    """Every series the patch set at ``root`` keeps: ``patches/`` (its
+    default vLLM), then ``bases/VERSION/patches/`` for each other VERSION,
+    newest first."""
+    if root.parent.name == BASES and (root.parent.parent / "patches/series").is_file():
+        project = root.parent.parent
+        raise ApplyError(
+            f"{root}: the vLLM {root.name} part of the patch set {project}, not a "
+            f"patch set of its own (its vllm_overlay/ holds only what differs "
+            f"from {project / 'vllm_overlay'}); pass --patch-set {project}, or "
+            "leave it out for this project: the series is chosen by the "
+            "target's vLLM version"
+        )
+    default = root / "patches"
+    if not (default / "series").is_file():
+        raise ApplyError(
+            f"{default / 'series'}: no series file; a patch set needs "
+            "patches/series (empty when there are no patches)"
+        )
+    bases = root / BASES
+    others = (
+        sorted(
+            (d for d in bases.iterdir() if (d / "patches").is_dir()),
+            key=lambda d: version_key(d.name),
+            reverse=True,
+        )
+        if bases.is_dir()
+        else []
+    )
+    return [default] + [d / "patches" for d in others]
+
+
+def version_key(version: str) -> tuple:
+    """Order release versions as numbers (0.10.0 after 0.9.0)."""
+    return tuple(
+        (0, int(part), "") if part.isdigit() else (1, 0, part)
+        for part in re.split(r"[.+!_-]", version)
+    )
+
+
+def kept_versions(root: Path) -> dict[str, Path]:
+    """The vLLM versions the patch set keeps a series for -> that series'
+    directory: the default series' ``base.version``, and each base's
+    directory name (``lint`` checks that its ``base.version`` agrees)."""
+    dirs = series_dirs(root)
+    kept = {read_base_version(dirs[0] / BASE_VERSION): dirs[0]}
+    for patch_dir in dirs[1:]:
+        kept.setdefault(patch_dir.parent.name, patch_dir)
+    return kept
+
+
+def overlay_files(directory: Path) -> list[str]:
+    if not directory.is_dir():
+        return []
+    return sorted(
+        p.relative_to(directory).as_posix()
+        for p in directory.rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    )
+
+
+def load_patch_set(root: Path, patch_dir: Path | None = None) -> PatchSet:
+    """Load and lint one series of the patch set at ``root`` (default: its
+    ``patches/``) with the overlay composed for it; lint problems are kept
+    in ``problems``."""
+    series = series_dirs(root)
+    patch_dir = series[0] if patch_dir is None else patch_dir
+    if patch_dir not in series:
+        raise ApplyError(f"{patch_dir}: not a series of the patch set {root}")
     series_file = patch_dir / "series"
     problems: list[str] = []
     if not series_file.is_file():
         raise ApplyError(
-            f"{series_file}: no series file; a patch set needs "
-            "patches/series (empty when there are no patches)"
+            f"{series_file}: no series file; a series needs one "
+            "(empty when there are no patches)"
         )
     names = [
         line.split("#", 1)[0].strip() for line in read_text(series_file).splitlines()
@@ -510,28 +634,34 @@ def load_patch_set(root: Path) -> PatchSet:
                 f"{path}: not listed in {series_file}; add it to "
                 "the series or delete it"
             )
-    overlay_dir = root / "vllm_overlay"
-    overlay_export = (
-        sorted(
-            str(p.relative_to(overlay_dir))
-            for p in overlay_dir.rglob("*")
-            if p.is_file() and "__pycache__" not in p.parts
-        )
-        if overlay_dir.is_dir()
-        else []
-    )
+    # The shared overlay, where this base's own files replace some of it.
+    sources = {
+        rel: root / "vllm_overlay" / rel for rel in overlay_files(root / "vllm_overlay")
+    }
+    if patch_dir != series[0]:
+        own = patch_dir.parent / "vllm_overlay"
+        sources.update((rel, own / rel) for rel in overlay_files(own))
+    overlay_export = sorted(sources)
     for rel in overlay_export:
         if not rel.startswith(("vllm/", "tests/")):
             problems.append(
-                f"{overlay_dir / rel}: overlay files live under vllm/ "
+                f"{sources[rel]}: overlay files live under vllm/ "
                 "(installed) or tests/ (export only)"
             )
     overlay = [rel for rel in overlay_export if rel.startswith("vllm/")]
-    regenerate = command_line(root, None, "manifest")
+    regenerate = manifest_command(root, patch_dir)
     manifest = read_manifest(patch_dir / MANIFEST, regenerate)
     results = read_manifest(patch_dir / RESULTS, regenerate)
     patch_set = PatchSet(
-        root, patches, overlay, overlay_export, manifest, results, problems
+        root,
+        patches,
+        overlay,
+        overlay_export,
+        manifest,
+        results,
+        problems,
+        patch_dir,
+        sources,
     )
     problems += base_version_problems(patch_set)
     for name, listed, wanted in (
@@ -557,7 +687,7 @@ def load_patch_set(root: Path) -> PatchSet:
     for rel in overlay:
         if rel in touched:
             problems.append(
-                f"{overlay_dir / rel}: also changed by a patch; "
+                f"{sources[rel]}: also changed by a patch; "
                 "a file is either patched or new"
             )
     return patch_set
@@ -571,23 +701,128 @@ def require_clean(patch_set: PatchSet) -> None:
 
 
 def base_version_problems(patch_set: PatchSet) -> list[str]:
-    """A missing or malformed ``base.version``, or a ``setup.cfg`` beside the
-    patch set whose vLLM pin (what ``make setup`` installs) says otherwise."""
+    """A missing or malformed ``base.version``, one that is not the version
+    its ``bases/VERSION`` directory names, or a ``setup.cfg`` beside the
+    patch set whose pins (what ``make setup`` installs) say otherwise: its
+    ``vllm`` is the default series', its ``vllm_bases`` lists every series'."""
     try:
         base = patch_set.base_version()
     except ApplyError as e:
         return [str(e)]
+    if patch_set.base_dir is not None and base != patch_set.base_dir.name:
+        return [
+            f"{patch_set.base_version_file}: says {base}, but the series is kept "
+            f"in {patch_set.base_dir} for vLLM {patch_set.base_dir.name}; make "
+            "them agree"
+        ]
     setup_cfg = patch_set.root / "setup.cfg"
     config = configparser.ConfigParser()
     config.read(setup_cfg)
-    pinned = config.get("k3_sppp", "vllm", fallback=base)
-    if pinned != base:
+    if patch_set.is_default:
+        pinned = config.get("k3_sppp", "vllm", fallback=base)
+        if pinned != base:
+            return [
+                f"{setup_cfg}: pins vllm = {pinned}, but "
+                f"{patch_set.base_version_file} says {base}; make them agree "
+                "(setup.cfg installs vLLM, base.version is what the series "
+                "applies to)"
+            ]
+    listed = config.get("k3_sppp", "vllm_bases", fallback=base).split()
+    if base not in listed:
         return [
-            f"{setup_cfg}: pins vllm = {pinned}, but {patch_set.base_version_file} "
-            f"says {base}; make them agree (setup.cfg installs vLLM, base.version "
-            "is what the series applies to)"
+            f"{setup_cfg}: vllm_bases = {' '.join(listed)} lacks {base}, which "
+            f"{patch_set.base_version_file} says; list every vLLM the patch set "
+            "keeps a series for there (`make setup BASE=VERSION` builds its venv)"
         ]
     return []
+
+
+class UnsupportedVersion(ApplyError):
+    """A target whose vLLM is none that the patch set keeps a series for."""
+
+    def __init__(self, target: Target, version: str, kept: dict[str, Path]) -> None:
+        project = series_root(next(iter(kept.values())))
+        supported = [
+            f"{v} ({(d / BASE_VERSION).relative_to(project)})" for v, d in kept.items()
+        ]
+        if len(supported) > 1:
+            supported[-2:] = [f"{supported[-2]} and {supported[-1]}"]
+        default = next(iter(kept))
+        said = target.version_files()
+        files = f"{'say' if ' and ' in said else 'says'} {said}"
+        rebase = command_line(
+            project, None, "rebase", "--onto", str(target.root), "--out", "DIR"
+        )
+        super().__init__(
+            f"{target.root}: vLLM {version} (so {files}); the patch set "
+            f"{project} keeps a series only for vLLM {', '.join(supported)}, "
+            "so nothing was written. "
+            f"Install one of those there (`pip install vllm=={default}`), or "
+            f"move a series onto vLLM {version}: `{rebase}` names every hunk "
+            "that does not carry over",
+            code=EXIT_DRIFT,
+        )
+        self.version = version
+        self.kept = kept
+
+
+def series_root(patch_dir: Path) -> Path:
+    """The patch set that holds the series ``patch_dir``."""
+    if patch_dir.parent.parent.name == BASES:
+        return patch_dir.parent.parent.parent
+    return patch_dir.parent
+
+
+def select_series(root: Path, target: Target, *, strict: bool = True) -> PatchSet:
+    """The series of the patch set at ``root`` for ``target``'s vLLM.
+
+    A target the patch set was applied to keeps the series its journal names
+    (by vLLM version); otherwise the target's vLLM version chooses, and where
+    the target names none (a bare checkout), the series whose pinned
+    originals its files match (the most of them).  A version the patch set
+    keeps no series for is refused naming the target's version files and the
+    versions kept (``UnsupportedVersion``, exit 4), unless not ``strict``:
+    then the default series is compared against (``status``).  A patch set
+    of one series takes it; ``check_version`` refuses another vLLM later.
+    """
+    dirs = series_dirs(root)
+    if len(dirs) == 1:
+        return load_patch_set(root)
+    kept = kept_versions(root)
+    journal = target.read_journal()
+    if journal is not None:
+        applied = journal.get("base_version") or journal["vllm_version"]
+        if applied in kept:
+            return load_patch_set(root, kept[applied])
+    version = target.version()
+    if version is None:
+        source = pristine_source(target)
+
+        def matching(version: str) -> int:
+            pinned = read_manifest(kept[version] / MANIFEST, "")
+            return sum(
+                (path := source(rel)) is not None and sha256_file(path) == digest
+                for rel, digest in pinned.items()
+            )
+
+        version = max(kept, key=lambda v: (matching(v), v == next(iter(kept))))
+    if version in kept:
+        return load_patch_set(root, kept[version])
+    if strict:
+        raise UnsupportedVersion(target, version, kept)
+    return load_patch_set(root)
+
+
+def manifest_command(root: Path, patch_dir: Path) -> str:
+    """The command that regenerates the manifests of the series
+    ``patch_dir``: ``make manifest`` (``BASE=VERSION`` for another base)
+    for this project, else apply.py with a tree of that vLLM."""
+    if patch_dir == root / "patches":
+        return command_line(root, None, "manifest")
+    version = patch_dir.parent.name
+    if Path(root).resolve() == PROJECT_DIR:
+        return command_line(root, project_venv(version), "manifest")
+    return command_line(root, None, "manifest", "--target", f"VLLM_{version}_TREE")
 
 
 # --------------------------------------------------------------------------
@@ -604,10 +839,42 @@ MAKE_FLAGS = {"--force": "FORCE=1"}
 _MAKE_SAFE = re.compile(r"[\w@%+=:,./-]+", re.ASCII)
 
 
-def default_root() -> Path | None:
-    """The directory holding vllm/ in this project's .venv, if there is one."""
+def default_version() -> str | None:
+    """The vLLM this project's default series applies to (``.venv``'s)."""
     with contextlib.suppress(ApplyError, OSError):
-        return resolve_target(None).root
+        return read_base_version(PROJECT_DIR / "patches" / BASE_VERSION)
+    return None
+
+
+def project_venv(version: str | None = None) -> Path:
+    """This project's venv for vLLM ``version``: ``.venv`` for the default
+    series' vLLM (``patches/base.version``, setup.cfg's ``vllm``),
+    ``.venv-VERSION`` for another base (``make setup BASE=VERSION``)."""
+    if version is None or version == default_version():
+        return PROJECT_DIR / ".venv"
+    return PROJECT_DIR / f".venv-{version}"
+
+
+def project_venv_bases() -> dict[Path, str | None]:
+    """The directory holding vllm/ in each of this project's venvs that
+    exists -> its base for ``make BASE=``: None for ``.venv``, the version
+    for ``.venv-VERSION``."""
+    venvs: dict[Path, str | None] = {}
+    with contextlib.suppress(ApplyError, OSError):
+        for version in kept_versions(PROJECT_DIR):
+            venv = project_venv(version)
+            if venv.is_dir():
+                with contextlib.suppress(ApplyError, OSError):
+                    base = None if venv.name == ".venv" else version
+                    venvs[resolve_target(venv).root] = base
+    return venvs
+
+
+def default_root() -> Path | None:
+    """The directory holding vllm/ in this project's .venv, if there is one:
+    the default target of ``python3 apply.py``."""
+    with contextlib.suppress(ApplyError, OSError):
+        return resolve_target(PROJECT_DIR / ".venv").root
     return None
 
 
@@ -616,8 +883,9 @@ def command_line(
 ) -> str:
     """The command that runs ``verb`` (with ``flags``) on ``target`` with
     ``patch_set``, as a user types it: this project's make target where the
-    Makefile can say it (``VLLM=`` for another target), else ``python3
-    apply.py`` with the same ``--patch-set`` and ``--target``.
+    Makefile can say it (``BASE=VERSION`` for this project's venv of another
+    base, ``VLLM=`` for another target), else ``python3 apply.py`` with the
+    same ``--patch-set`` and ``--target``.
 
     Every word is quoted for the shell, and a path make would read as its
     own syntax (``$``, quotes, whitespace: ``make_can_carry``) takes the
@@ -627,7 +895,15 @@ def command_line(
     here = False
     with contextlib.suppress(OSError):
         here = Path.cwd().resolve() == PROJECT_DIR
-    other = target is not None and Path(target).resolve() != default_root()
+    base = None
+    other = False
+    if target is not None:
+        venvs = project_venv_bases()
+        resolved = Path(target).resolve()
+        if resolved in venvs:
+            base = venvs[resolved]
+        else:
+            other = True
     if (
         own
         and verb in (VLLM_VERBS if other else MAKE_VERBS)
@@ -637,11 +913,14 @@ def command_line(
     ):
         words = ["make"] if here else ["make", "-C", str(PROJECT_DIR)]
         words += [verb, *(MAKE_FLAGS[flag] for flag in flags)]
+        words += [f"BASE={base}"] if base is not None else []
         words += [f"VLLM={target}"] if other else []
         return shlex.join(words)
     words = ["python3", "apply.py" if here else str(PROJECT_DIR / "apply.py")]
     words += [] if own else option("--patch-set", str(patch_set))
-    words += [verb, *flags, *(option("--target", str(target)) if other else [])]
+    words += [verb, *flags]
+    if target is not None and Path(target).resolve() != default_root():
+        words += option("--target", str(target))
     return shlex.join(words)
 
 
@@ -693,7 +972,16 @@ class Target:
         that names no version, or two that differ, is refused rather than
         guessed (None only where neither is there, as in a bare checkout).
         """
-        found: dict[str, str] = {}
+        return self.version_sources()[0]
+
+    def version_files(self) -> str:
+        """The files that state the target's vLLM version, for messages."""
+        files = self.version_sources()[1]
+        return " and ".join(str(f) for f in files) or "no file"
+
+    def version_sources(self) -> tuple[str | None, list[Path]]:
+        """``version()`` and the files that say it."""
+        found: dict[Path, str] = {}
         version_file = self.root / "vllm" / "_version.py"
         if os.path.lexists(version_file):
             match = None
@@ -708,12 +996,12 @@ class Target:
                     f"{version_file}: names no __version__ (unreadable or "
                     "broken); reinstall vLLM there, nothing was changed"
                 )
-            found[str(version_file)] = match.group(1)
+            found[version_file] = match.group(1)
         for metadata in sorted(self.root.glob("vllm-*.dist-info/METADATA")):
             text = metadata.read_text(encoding="utf-8", errors="replace")
             for line in text.splitlines():
                 if line.startswith("Version:"):
-                    found[str(metadata)] = line.split(":", 1)[1].strip()
+                    found[metadata] = line.split(":", 1)[1].strip()
                     break
         if len(set(found.values())) > 1:
             raise ApplyError(
@@ -721,7 +1009,7 @@ class Target:
                 + ", ".join(f"{path} says {v}" for path, v in found.items())
                 + "); reinstall vLLM there, nothing was changed"
             )
-        return next(iter(found.values()), None)
+        return next(iter(found.values()), None), list(found)
 
     def interpreter(self) -> Path | None:
         """The Python that imports this vLLM: a venv's, or the prefix's own.
@@ -859,7 +1147,9 @@ class Target:
         with contextlib.suppress(ApplyError, OSError, ValueError):
             sources.append(self.record_hashes())
         with contextlib.suppress(ApplyError, OSError):
-            sources.append(read_manifest(self.patch_set / "patches" / MANIFEST, ""))
+            for patch_dir in series_dirs(self.patch_set):  # every base's
+                with contextlib.suppress(ApplyError, OSError):
+                    sources.append(read_manifest(patch_dir / MANIFEST, ""))
         for hashes in sources:
             for rel, digest in hashes.items():
                 if is_safe_rel(rel):
@@ -984,7 +1274,14 @@ def journal_problem(journal: object) -> str | None:
 
 
 def default_target() -> Path:
+    """The venv a command without ``--target`` acts on: this project's venv
+    whose Python runs apply.py (``.venv-0.33.0/bin/python apply.py status``
+    asks about ``.venv-0.33.0``, and so does code importing apply in it),
+    else ``.venv``."""
+    running = Path(sys.prefix).resolve()
     venv = PROJECT_DIR / ".venv"
+    if running.parent == PROJECT_DIR and running.name.startswith(".venv-"):
+        venv = running
     if not venv.is_dir():
         raise ApplyError(
             f"{venv}: no project venv; run `make setup` (or "
@@ -1306,7 +1603,7 @@ def stage_patch_set(
     for rel in overlay:
         dst = stage / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(patch_set.overlay_dir / rel, dst)
+        shutil.copy2(patch_set.overlay_source(rel), dst)
     for leftover in stage.rglob("*.rej"):
         leftover.unlink()
     return failures
@@ -1370,7 +1667,7 @@ def not_compiling(
 ) -> ApplyError:
     """A result that does not compile, naming the file to fix."""
     if rel in patch_set.overlay_export:
-        sources = [str(patch_set.overlay_dir / rel)]
+        sources = [str(patch_set.overlay_source(rel))]
     else:
         sources = [str(p.path) for p in patch_set.patches if rel in p.files]
     return ApplyError(
@@ -1385,15 +1682,15 @@ def not_compiling(
 
 
 def check_version(target: Target, patch_set: PatchSet) -> str | None:
+    """The target's vLLM version, refused unless it is the series' base
+    (None, a checkout that says none, is judged by the hashes alone)."""
     version = target.version()
     base = patch_set.base_version()
     if version is not None and version != base:
-        raise ApplyError(
-            f"{target.root}: vLLM {version} found, the patch set is pinned to "
-            f"{base} ({patch_set.base_version_file}); install vllm=={base} there, "
-            f"or port the series (`{target.command('check')}` shows what fails)",
-            code=EXIT_DRIFT,
-        )
+        kept = {base: patch_set.patch_dir}
+        with contextlib.suppress(ApplyError, OSError):
+            kept = kept_versions(patch_set.root)
+        raise UnsupportedVersion(target, version, kept)
     return version
 
 
@@ -1804,9 +2101,9 @@ def undo_apply(target: Target, journal: dict, cause: BaseException) -> None:
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
-    require_clean(patch_set)
     target = resolve_target(args.target, args.patch_set)
+    patch_set = select_series(args.patch_set, target)
+    require_clean(patch_set)
     try:
         with locked(target):
             done = apply_locked(target, patch_set)
@@ -1857,7 +2154,10 @@ def apply_locked(target: Target, patch_set: PatchSet) -> str:
                 "aside and restores vLLM, then apply again",
                 code=EXIT_DRIFT,
             )
-        return f"already applied (revision {revision}) in {target.root}"
+        return (
+            f"already applied (revision {revision}, {patch_set.describe()}) "
+            f"in {target.root}"
+        )
     if journal is None and (orphans := target.leftovers(None)[2]):
         raise ApplyError(lost_journal(target, orphans), code=EXIT_INTERRUPTED)
     if journal is not None:
@@ -1910,8 +2210,8 @@ def apply_locked(target: Target, patch_set: PatchSet) -> str:
     finally:
         remove_stage(target, stage_root)
     return (
-        f"applied revision {revision} to {target.root}: "
-        f"{len(patch_set.patches)} patch(es), "
+        f"applied revision {revision}, {patch_set.describe()}, to "
+        f"{target.root}: {len(patch_set.patches)} patch(es), "
         f"{len(patch_set.patched_files)} file(s) patched, "
         f"{len(patch_set.overlay)} overlay file(s) added"
     )
@@ -1990,6 +2290,9 @@ def new_journal(
         "started": utc_now(),
         "revision": revision,
         "vllm_version": version or "unknown",
+        # The series applied: status and a later apply compare against it.
+        "base_version": patch_set.base_version(),
+        "series": patch_set.series_name,
         "patches": [p.name for p in patch_set.patches],
         "files": files,
         "overlay": [
@@ -2010,19 +2313,30 @@ def cmd_revert(args: argparse.Namespace) -> int:
             )
             done = (
                 f"reverted {target.root}: {restored} file(s) back to vLLM "
-                f"{journal['vllm_version']}"
+                f"{journal['vllm_version']}; revision {journal['revision']} "
+                f"{applied_series(journal)}was applied"
             )
         elif orphans := target.leftovers(None)[2]:
-            patch_set = load_patch_set(args.patch_set)
+            patch_set = select_series(args.patch_set, target)
             restored = revert_without_journal(target, patch_set, orphans)
             done = (
                 f"reverted {target.root} without its journal: {restored} file(s) "
-                "back to vLLM's originals, from the backups"
+                "back to vLLM's originals, from the backups (the files of "
+                f"{patch_set.describe()})"
             )
         else:
             done = f"not applied in {target.root}; nothing to revert"
     say(done)
     return finished(target)
+
+
+def applied_series(journal: dict) -> str:
+    """``of the vLLM 0.33.0 series (bases/0.33.0/patches) ``, as the journal
+    records it; empty for a journal written before it did."""
+    series, base = journal.get("series"), journal.get("base_version")
+    if isinstance(series, str) and isinstance(base, str):
+        return f"of the vLLM {base} series ({series}) "
+    return ""
 
 
 def lost_journal(target: Target, orphans: list[Path]) -> str:
@@ -2217,6 +2531,13 @@ def status(
     applied_to      the vLLM version the journal says the patch set was
                     applied to (``revert`` refuses another: exit 4); null
                     without a journal
+    series          the series directory compared against (``patches`` or
+                    ``bases/VERSION/patches`` of ``patch_set``): the one the
+                    journal names where applied, else the one for the
+                    target's vLLM version (the default series where the
+                    patch set keeps none for it: exit 4); null if unknown
+    bases           every vLLM version the patch set keeps a series for ->
+                    that series' directory, the default first
     """
     report: dict = {
         "schema_version": STATUS_SCHEMA_VERSION,
@@ -2238,6 +2559,8 @@ def status(
         "orphans": [],
         "finish": None,
         "applied_to": None,
+        "series": None,
+        "bases": {},
     }
     try:
         status_of(report, as_path(target))
@@ -2254,14 +2577,29 @@ def as_path(path: str | os.PathLike[str] | None) -> Path | None:
 
 def status_of(report: dict, target_path: Path | None) -> None:
     """Fill ``report`` (see ``status``) as far as the target can be read."""
-    patch_set = load_patch_set(Path(report["patch_set"]))
+    root = Path(report["patch_set"])
+    with contextlib.suppress(ApplyError, OSError):
+        report["bases"] = {v: str(d) for v, d in kept_versions(root).items()}
+    target: Target | None = None
+    with contextlib.suppress(ApplyError, OSError):
+        target = resolve_target(target_path, root)
+    private = (
+        target is not None
+        and target.state_dir.is_dir()
+        and not os.access(target.state_dir, os.R_OK | os.X_OK)
+    )
+    if target is None or private:
+        patch_set = load_patch_set(root)
+    else:  # a vLLM the patch set keeps no series for: against the default
+        patch_set = select_series(root, target, strict=False)
+    report["series"] = str(patch_set.patch_dir)
     report["patch_set_revision"] = patch_set.revision()
     with contextlib.suppress(ApplyError):
         report["base_version"] = patch_set.base_version()
     require_clean(patch_set)  # no pin to compare against otherwise
-    target = resolve_target(target_path, patch_set.root)
+    target = resolve_target(target_path, root)
     report["target"] = str(target.root)
-    if target.state_dir.is_dir() and not os.access(target.state_dir, os.R_OK | os.X_OK):
+    if private:
         raise ApplyError(
             f"{target.state_dir}: private to its owner (uid "
             f"{target.state_dir.stat().st_uid}); ask as that user or root"
@@ -2352,21 +2690,40 @@ def other_version(report: dict) -> bool:
     return report["vllm_version"] not in (None, want, "unknown")
 
 
+def series_line(report: dict) -> str:
+    """Which series the report compares against, and which others there are."""
+    series = Path(report["series"])
+    root = Path(report["patch_set"])
+    name = series.relative_to(root) if root in series.parents else series
+    others = [v for v in report["bases"] if v != report["base_version"]]
+    version = report["vllm_version"]
+    if report["state"] == "not-applied" and version not in (None, *report["bases"]):
+        kept = ", ".join(
+            f"{v} ({Path(d).relative_to(root)})" for v, d in report["bases"].items()
+        )
+        return f"series:   none for vLLM {version} in {root}, which keeps {kept}"
+    return f"series:   {name} of {root}, for vLLM {report['base_version']}" + (
+        f" (also kept: {', '.join(others)})" if others else ""
+    )
+
+
 def status_text(report: dict) -> str:
     """What ``apply.py status`` prints for ``report`` (a ``status`` object)."""
     if report["state"] == "error":
         return f"error: {report['error']}"
     lines = [
-        f"target:   {report['target']} (vLLM {report['vllm_version'] or 'unknown'})"
+        f"target:   {report['target']} (vLLM {report['vllm_version'] or 'unknown'})",
+        series_line(report),
     ]
     state, files = report["state"], report["files"]
     if state == "not-applied":
         other = other_version(report)
+        kept = ", ".join(report["bases"]) or report["base_version"]
         lines.append(
             "state:    not applied"
             + (
-                f"; vLLM {report['vllm_version']} is not the pinned "
-                f"{report['base_version']}, `apply` will refuse"
+                f"; vLLM {report['vllm_version']} is not one the patch set keeps "
+                f"a series for ({kept}), `apply` will refuse"
                 if other
                 else ""
             )
@@ -2487,20 +2844,39 @@ def record_hashes(target: str | os.PathLike[str] | None = None) -> dict[str, str
 
 
 def base_version(patch_set: str | os.PathLike[str] | None = None) -> str:
-    """The vLLM version ``patch_set`` (default: this project) applies to, from
-    its ``patches/base.version``; ``ApplyError`` names that file if it is
-    missing or malformed."""
-    return load_patch_set(Path(patch_set or PROJECT_DIR)).base_version()
+    """The vLLM version ``patch_set``'s default series (default: this
+    project's) applies to, from its ``patches/base.version``;
+    ``ApplyError`` names that file if it is missing or malformed."""
+    return load_patch_set(Path(patch_set or PROJECT_DIR).resolve()).base_version()
+
+
+def bases(patch_set: str | os.PathLike[str] | None = None) -> dict[str, Path]:
+    """Every vLLM version ``patch_set`` (default: this project) keeps a
+    series for -> that series' directory: ``patches`` for the default
+    (first), ``bases/VERSION/patches`` for each other, newest first."""
+    return kept_versions(Path(patch_set or PROJECT_DIR).resolve())
+
+
+def venv(version: str | None = None) -> Path:
+    """This project's venv for vLLM ``version`` (default: the default
+    series'): ``.venv``, or ``.venv-VERSION`` for another base; it may not
+    exist yet (``make setup BASE=VERSION`` builds it)."""
+    return project_venv(version)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
+    target = resolve_target(args.target, args.patch_set)
+    # A vLLM no series is kept for is dry-run with the default series: what
+    # fails is what a port has to move (apply refuses it, exit 4).
+    patch_set = select_series(args.patch_set, target, strict=False)
     require_clean(patch_set)
     base = patch_set.base_version()
-    target = resolve_target(args.target, args.patch_set)
     source = pristine_source(target)
     version = target.version()
-    say(f"target: {target.root} (vLLM {version or 'unknown'}, pinned {base})")
+    say(
+        f"target: {target.root} (vLLM {version or 'unknown'}; "
+        f"{patch_set.describe()}, pinned {base})"
+    )
     drift = [
         f"{rel}: differs from the pinned base"
         for rel in patch_set.patched_files
@@ -2534,10 +2910,16 @@ def cmd_check(args: argparse.Namespace) -> int:
             except ApplyError as e:
                 say(f"  FAIL {e}")
                 failures["results"] = [str(e)]
+    unkept = (
+        f"vLLM {version} is installed; the patch set keeps a series for vLLM "
+        f"{', '.join(kept_versions(patch_set.root))} ({patch_set.describe()} "
+        "was tried)"
+    )
     if failures:
         say(
             f"{len(failures)} of {len(patch_set.patches)} patch(es) fail; "
             "nothing was written"
+            + (f"; {unkept}" if version not in (None, base) else "")
         )
         return EXIT_ERROR
     if drift or version not in (None, base):
@@ -2546,7 +2928,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"vLLM {base}; `apply` will refuse:"
         )
         if version not in (None, base):
-            say(f"  vLLM {version} is installed, the series is pinned to {base}")
+            say(f"  {unkept}")
         for problem in drift:
             say(f"  {problem}")
         return EXIT_DRIFT
@@ -2603,9 +2985,9 @@ def pristine_repo(
 def cmd_export(args: argparse.Namespace) -> int:
     """One unified diff of the whole series (``export --pulls`` is
     ``_upstream.cmd_export_pulls``, chosen by the command line)."""
-    patch_set = load_patch_set(args.patch_set)
-    require_clean(patch_set)
     target = resolve_target(args.target, args.patch_set)
+    patch_set = select_series(args.patch_set, target)
+    require_clean(patch_set)
     with tempfile.TemporaryDirectory(prefix="k3-sppp-export-") as tmp:
         repo = pristine_repo(patch_set, target, Path(tmp), "base")
         failures = stage_patch_set(patch_set, repo, overlay=patch_set.overlay_export)
@@ -2620,7 +3002,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         f"# {line}\n"
         for line in [
             f"k3-sppp revision {patch_set.revision()} against vLLM "
-            + patch_set.base_version(),
+            f"{patch_set.base_version()} ({patch_set.series_name})",
             *[f"{p.name}: {p.headers['Subject']}" for p in patch_set.patches],
             "Apply from a vLLM source root with `git apply`.",
         ]
@@ -2639,7 +3021,7 @@ def write_manifest(patch_set: PatchSet, target: Target) -> list[Path]:
     """Write both manifests: ``base.sha256`` from the wheel's RECORD, then
     ``patched.sha256`` from the series applied to those verified originals."""
     base_path = write_base_manifest(patch_set, target)
-    patch_set = load_patch_set(patch_set.root)
+    patch_set = load_patch_set(patch_set.root, patch_set.patch_dir)
     with tempfile.TemporaryDirectory(prefix="k3-sppp-manifest-") as tmp:
         stage = Path(tmp) / "tree"
         stage.mkdir()
@@ -2688,7 +3070,8 @@ def write_base_manifest(patch_set: PatchSet, target: Target) -> Path:
             raise ApplyError(
                 f"{rel}: not in vLLM {base}'s RECORD ({target.root}), but "
                 f"{', '.join(patches)} changes it; a new file belongs in "
-                f"{patch_set.overlay_dir}/, not a patch"
+                f"{patch_set.overlay_dir}/ (or the base's own vllm_overlay/), "
+                "not a patch"
             )
         lines.append(f"{record[rel]}  {rel}")
     path = patch_set.patch_dir / MANIFEST
@@ -2697,8 +3080,9 @@ def write_base_manifest(patch_set: PatchSet, target: Target) -> Path:
 
 
 def cmd_manifest(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
-    paths = write_manifest(patch_set, resolve_target(args.target, args.patch_set))
+    target = resolve_target(args.target, args.patch_set)
+    patch_set = select_series(args.patch_set, target)
+    paths = write_manifest(patch_set, target)
     say(
         f"wrote {paths[0]} ({len(patch_set.patched_files)} file(s)) and "
         f"{paths[1]} ({len(patch_set.written_files)} file(s))"
@@ -2743,9 +3127,9 @@ def series_prefix_problem(patch_set: PatchSet, target: Target) -> str | None:
 
 
 def cmd_devtree(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
-    require_clean(patch_set)
     target = resolve_target(args.target, args.patch_set)
+    patch_set = select_series(args.patch_set, target)
+    require_clean(patch_set)
     repo = args.dir.resolve()
     if repo.exists() and any(repo.iterdir()):
         raise ApplyError(
@@ -2781,14 +3165,16 @@ def cmd_devtree(args: argparse.Namespace) -> int:
             )
     say(
         f"{repo}: {len(patch_set.patches)} commit(s) on tag "
-        f"{DEVTREE_BASE_TAG}; edit, commit (or rebase -i), then "
-        f"`{command_line(patch_set.root, None, 'refresh', str(args.dir))}`"
+        f"{DEVTREE_BASE_TAG} ({patch_set.describe()}); edit, commit (or "
+        "rebase -i), then "
+        f"`{command_line(patch_set.root, target.root, 'refresh', str(args.dir))}`"
     )
     return EXIT_OK
 
 
 def cmd_refresh(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
+    target = resolve_target(args.target, args.patch_set)
+    patch_set = select_series(args.patch_set, target)
     repo = args.dir.resolve()
     if (
         git(
@@ -2808,6 +3194,14 @@ def cmd_refresh(args: argparse.Namespace) -> int:
         )
     if git(["status", "--porcelain"], repo).stdout.strip():
         raise ApplyError(f"{repo}: uncommitted changes; commit them first")
+    made_from = git(["log", "-1", "--format=%s", DEVTREE_BASE_TAG], repo).stdout
+    if made_from.strip() != f"vLLM {patch_set.base_version()} sources":
+        raise ApplyError(
+            f"{repo}: made from {made_from.strip() or 'unknown sources'} "
+            f"({DEVTREE_BASE_TAG}), but {target.root} selects "
+            f"{patch_set.describe()}; refresh with --target a tree of the vLLM "
+            "the devtree was made from"
+        )
     with tempfile.TemporaryDirectory(prefix="k3-sppp-refresh-") as tmp:
         git([*FORMAT_PATCH_ARGS, "-q", "-o", tmp, f"{DEVTREE_BASE_TAG}..HEAD"], repo)
         fresh = sorted(Path(tmp).glob("*.patch"))
@@ -2817,9 +3211,9 @@ def cmd_refresh(args: argparse.Namespace) -> int:
             shutil.copy2(path, patch_set.patch_dir / path.name)
     series = "".join(f"{p.name}\n" for p in fresh)
     write_atomic(patch_set.patch_dir / "series", series.encode())
-    refreshed = load_patch_set(args.patch_set)
-    write_manifest(refreshed, resolve_target(args.target, args.patch_set))
-    refreshed = load_patch_set(args.patch_set)
+    refreshed = load_patch_set(patch_set.root, patch_set.patch_dir)
+    write_manifest(refreshed, target)
+    refreshed = load_patch_set(patch_set.root, patch_set.patch_dir)
     require_clean(refreshed)
     say(f"wrote {len(fresh)} patch(es) and the manifest to {patch_set.patch_dir}")
     return EXIT_OK

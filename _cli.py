@@ -10,11 +10,14 @@ command from either, so each imports only downward:
 from __future__ import annotations
 
 import argparse
+import configparser
 import contextlib
+import filecmp
 from collections.abc import Callable
 from pathlib import Path
 
 from _apply import (
+    BASES,
     EXIT_CTRL_C,
     EXIT_ERROR,
     EXIT_OK,
@@ -22,6 +25,7 @@ from _apply import (
     HELP_EPILOG,
     PROJECT_DIR,
     ApplyError,
+    Target,
     cmd_apply,
     cmd_check,
     cmd_devtree,
@@ -30,10 +34,13 @@ from _apply import (
     cmd_revert,
     cmd_status,
     command_line,
+    kept_versions,
     load_patch_set,
-    require_clean,
+    overlay_files,
+    project_venv,
     resolve_target,
     say,
+    series_dirs,
     series_prefix_problem,
     tell,
 )
@@ -48,20 +55,126 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
-    require_clean(patch_set)
-    target = resolve_target(args.target, args.patch_set)
-    if problem := series_prefix_problem(patch_set, target):
-        raise ApplyError(problem)
-    if problem := pulls_problem(patch_set, target):
-        raise ApplyError(problem)
+    """Every series of the patch set, each against a pristine tree of its own
+    vLLM (``lint_trees``), and what the series share (``bases_problems``)."""
+    root = args.patch_set
+    dirs = series_dirs(root)
+    # One series needs no version to be chosen: its own problems name it.
+    kept = kept_versions(root) if len(dirs) > 1 else {"": dirs[0]}
+    trees = lint_trees(root, kept, args.target or [])
+    problems = bases_problems(root, kept)
+    done = []
+    for version, patch_dir in kept.items():
+        patch_set = load_patch_set(root, patch_dir)
+        if patch_set.problems:
+            problems += patch_set.problems
+            continue
+        target = trees[version]
+        try:
+            problem = series_prefix_problem(patch_set, target) or pulls_problem(
+                patch_set, target
+            )
+        except ApplyError as e:
+            problem = str(e)
+        if problem:
+            problems.append(f"{patch_set.describe()}, on {target.root}: {problem}")
+        else:
+            done.append(
+                f"{patch_set.describe()}, on {target.root}: "
+                f"{len(patch_set.patches)} patch(es), "
+                f"{len(patch_set.overlay_export)} overlay file(s): consistent"
+            )
+    if problems:
+        raise ApplyError("the patch set is inconsistent:\n  " + "\n  ".join(problems))
     say(
-        f"{len(patch_set.patches)} patch(es), "
-        f"{len(patch_set.overlay_export)} overlay file(s): consistent; "
-        "every prefix of the series applies and compiles, and so does each "
-        "declared pull request after the ones before it"
+        "\n".join(done) + "\nin each series every prefix applies and compiles on "
+        "its pristine vLLM, and so does each declared pull request after the "
+        "ones before it"
     )
     return EXIT_OK
+
+
+def lint_trees(
+    root: Path, kept: dict[str, Path], given: list[Path]
+) -> dict[str, Target]:
+    """The pristine tree each series is linted against: a ``--target`` of
+    its vLLM version, else this project's venv of that version (``.venv``
+    for the default series, ``.venv-VERSION`` for another base).  A patch
+    set of one series takes the one ``--target`` given (default: the default
+    target), whatever it says, as apply does."""
+    targets = [resolve_target(path, root) for path in given]
+    if len(kept) == 1:
+        if len(targets) > 1:
+            raise ApplyError(f"{root} keeps one series; lint it against one --target")
+        version = next(iter(kept))
+        return {version: targets[0] if targets else resolve_target(None, root)}
+    trees: dict[str, Target] = {}
+    for target in targets:
+        version = target.version()
+        if version not in kept:
+            raise ApplyError(
+                f"{target.root}: vLLM {version or '(no version stated)'}, but "
+                f"{root} keeps a series for vLLM {', '.join(kept)}; pass a "
+                "pristine tree of one of those"
+            )
+        trees[version] = target
+    missing = []
+    for version, patch_dir in kept.items():
+        if version in trees:
+            continue
+        venv = project_venv(version)
+        if venv.is_dir():
+            target = resolve_target(venv, root)
+            if target.version() == version:
+                trees[version] = target
+                continue
+        missing.append(
+            f"vLLM {version} ({patch_dir}): no vLLM {version} venv at {venv} "
+            f"(`make setup BASE={version}` builds it), and no --target of vLLM "
+            f"{version} was given"
+        )
+    if missing:
+        raise ApplyError(
+            "lint checks every series against a pristine tree of its vLLM; "
+            "missing:\n  " + "\n  ".join(missing)
+        )
+    return trees
+
+
+def bases_problems(root: Path, kept: dict[str, Path]) -> list[str]:
+    """What the series of one patch set must agree on: setup.cfg's
+    ``vllm_bases`` lists every one, and a base's own overlay files each
+    differ from the shared file they replace (else the shared one serves)."""
+    problems = []
+    config = configparser.ConfigParser()
+    config.read(root / "setup.cfg")
+    listed = config.get("k3_sppp", "vllm_bases", fallback=None)
+    if listed is not None and sorted(listed.split()) != sorted(kept):
+        problems.append(
+            f"{root / 'setup.cfg'}: vllm_bases = {listed}, but {root} keeps a "
+            f"series for vLLM {' '.join(kept)} (patches/ and {BASES}/VERSION/"
+            "patches/); make them agree"
+        )
+    shared = root / "vllm_overlay"
+    for version, patch_dir in kept.items():
+        own = patch_dir.parent / "vllm_overlay"
+        if patch_dir == root / "patches":
+            if (root / BASES / version).exists():
+                problems.append(
+                    f"{root / BASES / version}: vLLM {version} is the default "
+                    "series' (patches/base.version); a base directory is for "
+                    "another vLLM"
+                )
+            continue
+        for rel in overlay_files(own):
+            if (shared / rel).is_file() and filecmp.cmp(
+                own / rel, shared / rel, shallow=False
+            ):
+                problems.append(
+                    f"{own / rel}: the same as {shared / rel}; delete it (a "
+                    "base keeps only the overlay files it needs otherwise)"
+                )
+    return problems
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--patch-set",
         type=Path,
         default=PROJECT_DIR,
-        help="directory holding patches/ and vllm_overlay/ (default: this project)",
+        help="directory holding patches/ (and bases/VERSION/patches/ for other "
+        "vLLMs) and vllm_overlay/ (default: this project); the target's vLLM "
+        "version picks the series",
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -83,14 +198,18 @@ def build_parser() -> argparse.ArgumentParser:
         name: str,
         func: Callable[[argparse.Namespace], int],
         text: str,
+        target_help: str = "site-packages, venv or vLLM checkout root "
+        "(default: this project's .venv; .venv-VERSION when apply.py runs "
+        "with that venv's Python); its vLLM version chooses the series",
+        many: bool = False,
     ) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=text, description=text)
         p.add_argument(
             "--target",
             type=Path,
             default=None,
-            help="site-packages, venv or vLLM checkout root "
-            "(default: this project's .venv)",
+            action="append" if many else "store",
+            help=target_help,
         )
         p.set_defaults(func=func)
         return p
@@ -129,14 +248,19 @@ def build_parser() -> argparse.ArgumentParser:
     add(
         "manifest",
         cmd_manifest,
-        "regenerate patches/base.sha256 from the wheel's RECORD and "
-        "patches/patched.sha256 from the series applied to those originals",
+        "regenerate the manifests of the target's series (patches/ or "
+        "bases/VERSION/patches/): base.sha256 from the wheel's RECORD, "
+        "patched.sha256 from the series applied to those originals",
     )
     add(
         "lint",
         cmd_lint,
-        "check the series, headers and manifest, and that every prefix of "
-        "the series applies to the pinned sources",
+        "check every series, its headers and manifests, and that every "
+        "prefix of each applies to its pinned sources",
+        target_help="a pristine tree for one series, by its vLLM version "
+        "(repeat for each; default: .venv for the default series, "
+        ".venv-VERSION for another base)",
+        many=True,
     )
     add(
         "devtree", cmd_devtree, "git repo of pristine sources, one commit per patch"
@@ -178,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     a traceback.
     """
     args = build_parser().parse_args(argv)
+    # Absolute, so that a path relative to the caller's directory still
+    # names its patches when git runs elsewhere.
+    args.patch_set = args.patch_set.resolve()
     try:
         return args.func(args)
     except ApplyError as e:
@@ -187,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
         # errors into an ApplyError; what reaches here changed no vLLM file.
         code, message = EXIT_ERROR, f"error: {e}"
     except KeyboardInterrupt:
-        status_command = command_line(args.patch_set, args.target, "status")
+        target = None if isinstance(args.target, list) else args.target
+        status_command = command_line(args.patch_set, target, "status")
         code = EXIT_CTRL_C
         message = (
             f"interrupted; `{status_command}` says where it stopped and which "

@@ -50,6 +50,7 @@ from _apply import (
     require_clean,
     resolve_target,
     say,
+    select_series,
     sha256_file,
     write_atomic,
 )
@@ -135,7 +136,8 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
         for rel in overlay:
             if rel not in patch_set.overlay_export:
                 problems.append(
-                    f"{path}: [{key}] names {rel}, which is not under vllm_overlay/"
+                    f"{path}: [{key}] names {rel}, which is not under vllm_overlay/ "
+                    "(nor the base's own)"
                 )
         pulls.append(
             PullRequest(
@@ -154,7 +156,7 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
     for rel in patch_set.overlay_export:
         if rel not in owner:
             problems.append(
-                f"{patch_set.overlay_dir / rel}: belongs to no pull request in {path}"
+                f"{patch_set.overlay_source(rel)}: belongs to no pull request in {path}"
             )
     declared = [p.name for pr in pulls for p in pr.patches]
     in_series = [p.name for p in patch_set.patches if p.name in declared]
@@ -220,7 +222,7 @@ def pull_diffs(
             for rel in pr.overlay:
                 dst = repo / rel
                 dst.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(patch_set.overlay_dir / rel, dst)
+                shutil.copy2(patch_set.overlay_source(rel), dst)
             diffs.append(preamble(patch_set, pr, pulls) + staged_diff(repo))
             commit_all(repo, pr.title)
     return diffs
@@ -340,9 +342,9 @@ def pulls_problem(patch_set: PatchSet, target: Target) -> str | None:
 
 
 def cmd_export_pulls(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
-    require_clean(patch_set)
     target = resolve_target(args.target, args.patch_set)
+    patch_set = select_series(args.patch_set, target)
+    require_clean(patch_set)
     for path in write_pulls(patch_set, target, args.pulls):
         lines = path.read_text(encoding="utf-8").count("\n")
         say(f"wrote {path} ({lines} lines)")
@@ -625,18 +627,16 @@ def write_rebased(
     write_atomic(patches / MANIFEST, ("\n".join(base_lines) + "\n").encode())
     results = dict(result.results)
     results.update(
-        (rel, sha256_file(patch_set.overlay_dir / rel)) for rel in patch_set.overlay
+        (rel, sha256_file(patch_set.overlay_source(rel))) for rel in patch_set.overlay
     )
     result_lines = [
         f"# SHA-256 of every file the patch set writes into vLLM {version}: the",
         "# series applied by `apply.py rebase`, and the overlay files; do not edit.",
     ] + [f"{results[rel]}  {rel}" for rel in sorted(results)]
     write_atomic(patches / RESULTS, ("\n".join(result_lines) + "\n").encode())
-    shutil.copytree(
-        patch_set.overlay_dir,
-        dest / "vllm_overlay",
-        ignore=shutil.ignore_patterns("__pycache__"),
-    )
+    for rel in patch_set.overlay_export:  # composed: the base's own files
+        (dest / "vllm_overlay" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(patch_set.overlay_source(rel), dest / "vllm_overlay" / rel)
     if (patch_set.patch_dir / PULLS).is_file():  # the figures they quote
         pulls, _ = read_pulls(patch_set)
         for name in {f.partition("#")[0] for pr in pulls for f in pr.figures}:
@@ -645,8 +645,8 @@ def write_rebased(
 
 
 def cmd_rebase(args: argparse.Namespace) -> int:
-    patch_set = load_patch_set(args.patch_set)
     base = resolve_target(args.target, args.patch_set)
+    patch_set = select_series(args.patch_set, base)
     onto = resolve_target(args.onto, args.patch_set)
     out = args.out.resolve()
     result = rebase(patch_set, base, onto, out, args.onto_version)

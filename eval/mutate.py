@@ -534,14 +534,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard", help=argparse.SUPPRESS)  # I/N: a worker's share
     args = p.parse_args(argv)
     root = args.patch_set.resolve()
+    status = subprocess.run(
+        [sys.executable, str(PROJECT_DIR / "apply.py"), "--patch-set", str(root)]
+        + ["status", "--json"]
+        + ([] if args.target is None else ["--target", str(args.target)]),
+        capture_output=True,
+        text=True,
+    )
+    report = json.loads(status.stdout)
     if args.target is None:
-        status = subprocess.run(
-            [sys.executable, str(root / "apply.py"), "status", "--json"],
-            capture_output=True,
-            text=True,
-        )
-        args.target = Path(json.loads(status.stdout)["target"])
-    expected = read_manifest(root / "patches" / "patched.sha256")
+        args.target = Path(report["target"])
+    # The series apply.py picks for the target's vLLM: patches/, or a base's.
+    series = Path(report.get("series") or root / "patches")
+    expected = read_manifest(series / "patched.sha256")
     state = args.state or root / "build" / "mutate"
     installed = Installed(args.target, state, expected)
     installed.recover()
