@@ -398,16 +398,16 @@ class Conflict:
     base: list[str]  # the pinned vLLM's
     theirs: list[str]  # the patch's
 
-    def hunks(self, hunks: list[Hunk]) -> str:
-        """The hunks of the patch whose change the conflict holds: the lines
-        a hunk removes among the base's, or those it adds among the patch's."""
-        named = [
-            f"hunk #{number} ({hunk.header})"
+    def hunks(self, hunks: list[Hunk]) -> list[int]:
+        """The numbers (from 1) of the patch's hunks whose change the
+        conflict holds: the lines a hunk removes among the base's, or those
+        it adds among the patch's."""
+        return [
+            number
             for number, hunk in enumerate(hunks, 1)
             if (hunk.run("-") and contains(self.base, hunk.run("-")))
             or (hunk.run("+") and contains(self.theirs, hunk.run("+")))
         ]
-        return ", ".join(named) or "a hunk"
 
 
 def conflicts_in(text: str, rel: str) -> list[Conflict]:
@@ -429,11 +429,60 @@ def conflicts_in(text: str, rel: str) -> list[Conflict]:
     return found
 
 
+_DEF = re.compile(r"^(\s*)(?:async\s+)?(?:def|class)\s+(\w+)")
+
+
+def enclosing(lines: list[str], index: int) -> str:
+    """What line ``index`` (from 0) of a Python file belongs to: the
+    qualified name of the def or class around it, or the module."""
+    names: list[str] = []
+    indent = None
+    for i in range(min(index, len(lines) - 1), -1, -1):
+        line = lines[i]
+        if not line.strip():
+            continue
+        width = len(line) - len(line.lstrip())
+        match = _DEF.match(line)
+        if indent is None:
+            indent = width + 1 if match else width
+        if match and width < indent:
+            names.append(match.group(2))
+            indent = width
+            if width == 0:
+                break
+    return "in " + ".".join(reversed(names)) if names else "at module level"
+
+
+def hunk_owner(preimage: list[str], hunk: Hunk) -> str:
+    """``hunk``'s place in the file it was made on: what its first changed
+    line (or the line it inserts after) belongs to."""
+    start = int(re.match(r"@@ -(\d+)", hunk.header).group(1))
+    marks = "".join(line[:1] for line in hunk.lines)
+    lead = len(marks) - len(marks.lstrip(" "))
+    first_changed = start - 1 + lead  # index in the preimage
+    if marks[lead : lead + 1] == "+":  # an insertion: the line before it
+        first_changed -= 1
+    return enclosing(preimage, max(first_changed, 0))
+
+
+@dataclass
+class Obstacle:
+    """A hunk of the series that does not carry over to the new tree."""
+
+    kind: str  # GONE, CONFLICT, OBSOLETE, NOT TRIED
+    patch: Patch
+    file: str
+    numbers: list[int]  # its hunks, from 1; empty: the file as a whole
+    why: str
+    detail: list[str] = field(default_factory=list)
+
+
 @dataclass
 class Rebased:
     patches: dict[str, bytes] = field(default_factory=dict)  # name -> file
     changed: list[str] = field(default_factory=list)
     results: dict[str, str] = field(default_factory=dict)  # rel -> SHA-256
+    obstacles: list[Obstacle] = field(default_factory=list)
 
 
 def today() -> str:
@@ -465,14 +514,39 @@ def tree_sources(onto: Target, rels: list[str]) -> dict[str, Path | None]:
     return {rel: source(rel) for rel in rels}
 
 
+def changed_lines(hunks: list[Hunk]) -> list[str]:
+    return [line for hunk in hunks for line in hunk.lines if line[:1] in "+-"]
+
+
+def fresh_hunks(text: str) -> dict[str, list[Hunk]]:
+    """The hunks of a diff held in a string, by file."""
+    hunks: dict[str, list[Hunk]] = {}
+    current: list[Hunk] | None = None
+    for line in text.split("\n"):
+        if line.startswith("diff --git "):
+            current = hunks.setdefault(line.rsplit(" b/", 1)[1], [])
+        elif current is not None and line.startswith("@@ "):
+            current.append(Hunk(line.split(" @@")[0] + " @@", []))
+        elif current and line[:1] in (" ", "-", "+"):
+            current[-1].lines.append(line)
+    return hunks
+
+
 def rebase_series(
     patch_set: PatchSet, base: Target, onto: Target, tree: dict[str, Path | None]
 ) -> Rebased:
     """Apply the series three-way to ``tree``'s files, patch by patch, in a
     repository that holds the pinned originals and every intermediate blob
-    the patches' ``index`` lines name; stop at the first conflict, which is
-    raised naming each hunk with both sides."""
+    the patches' ``index`` lines name.
+
+    Goes on past what does not carry over, to name all of it
+    (``Rebased.obstacles``): a file the tree lacks (every hunk of every patch
+    to it), a conflict (the file is then left as the tree has it, and later
+    patches' hunks in it are not tried), and a hunk the three-way merge
+    dropped because the tree already has its change."""
     result = Rebased()
+    base_name = f"vLLM {patch_set.base_version()}"
+    preimages: dict[tuple[str, str], list[str]] = {}
     with tempfile.TemporaryDirectory(prefix="k3-sppp-rebase-") as tmp:
         repo = pristine_repo(
             patch_set, base, Path(tmp), f"vLLM {patch_set.base_version()}"
@@ -481,6 +555,9 @@ def rebase_series(
         # merges first and writes each postimage itself; older ones apply
         # directly where they can and write none, as `git am -3` does.
         for patch in patch_set.patches:
+            for rel in patch.files:
+                if (repo / rel).is_file():
+                    preimages[(patch.name, rel)] = read_text(repo / rel).split("\n")
             if failures := apply_patch(repo, patch):
                 raise ApplyError(
                     f"{patch.path} does not apply to the pinned vLLM "
@@ -492,19 +569,29 @@ def rebase_series(
             if src is not None:
                 shutil.copy2(src, repo / rel)
         commit_all(repo, f"vLLM at {onto.root}")
-        for number, patch in enumerate(patch_set.patches):
-            proc = git(
-                ["-c", "merge.conflictStyle=diff3", "apply", "--3way", str(patch.path)],
-                repo,
-                check=False,
-            )
-            if proc.returncode != 0:
-                raise ApplyError(
-                    conflict_report(patch_set, patch, repo, proc.stderr, onto)
-                    + not_tried(patch_set.patches[number + 1 :])
-                )
+        blocked: dict[str, str] = {}  # file -> the patch it conflicted in
+        for patch in patch_set.patches:
+            hunks = hunks_of(patch)
+            for rel in patch.files:
+                every = list(range(1, len(hunks.get(rel, [])) + 1))
+                if tree[rel] is None:
+                    result.obstacles.append(
+                        Obstacle("GONE", patch, rel, every, f"not in {onto.root}")
+                    )
+                elif rel in blocked:
+                    result.obstacles.append(
+                        Obstacle(
+                            "NOT TRIED",
+                            patch,
+                            rel,
+                            every,
+                            f"the file conflicts in {blocked[rel]} before it",
+                        )
+                    )
+            apply_three_way(patch, repo, hunks, tree, blocked, onto, result, base_name)
             commit_all(repo, patch.headers["Subject"])
             fresh = git([*FORMAT_PATCH_ARGS, "--stdout", "-1", "HEAD"], repo).stdout
+            dropped_hunks(patch, hunks, fresh, blocked, tree, onto, result)
             text = refreshed(patch, fresh)
             if text is not None:
                 result.changed.append(patch.name)
@@ -512,48 +599,176 @@ def rebase_series(
                 patch.path.read_bytes() if text is None else text.encode()
             )
         result.results = {
-            rel: sha256_file(repo / rel) for rel in patch_set.patched_files
+            rel: sha256_file(repo / rel)
+            for rel in patch_set.patched_files
+            if (repo / rel).is_file()
         }
+    for obstacle in result.obstacles:
+        preimage = preimages.get((obstacle.patch.name, obstacle.file), [])
+        hunks = hunks_of(obstacle.patch).get(obstacle.file, [])
+        obstacle.detail[:0] = [
+            f"hunk #{n} ({hunks[n - 1].header}) {hunk_owner(preimage, hunks[n - 1])}"
+            for n in obstacle.numbers
+        ]
     return result
 
 
-def conflict_report(
-    patch_set: PatchSet, patch: Patch, repo: Path, stderr: str, onto: Target
-) -> str:
-    """What ``git am -3`` says, hunk by hunk, with the tree's side (ours),
-    the pinned vLLM's (base) and the patch's (theirs)."""
-    stages = git(["ls-files", "-u"], repo).stdout.splitlines()
-    unmerged = sorted({line.split("\t", 1)[1] for line in stages})
-    lines = [f"{patch.path.name} does not apply to {onto.root}, even three-way:"]
-    hunks = hunks_of(patch)
-    for rel in unmerged:
-        for conflict in conflicts_in(read_text(repo / rel), rel):
-            lines.append(
-                f"  CONFLICT {rel} {conflict.hunks(hunks.get(rel, []))}, at line "
-                f"{conflict.line} of the merged file"
+def apply_three_way(
+    patch: Patch,
+    repo: Path,
+    hunks: dict[str, list[Hunk]],
+    tree: dict[str, Path | None],
+    blocked: dict[str, str],
+    onto: Target,
+    result: Rebased,
+    base_name: str,
+) -> None:
+    """``git apply --3way`` of ``patch`` on the files it can reach; a file
+    that conflicts is named with both sides, put back as the tree has it,
+    and blocked for the patches after this one."""
+    while True:
+        skip = [rel for rel in patch.files if tree[rel] is None or rel in blocked]
+        if all(rel in skip for rel in patch.files):
+            return
+        proc = git(
+            ["-c", "merge.conflictStyle=diff3", "apply", "--3way"]
+            + [f"--exclude={rel}" for rel in skip]
+            + [str(patch.path)],
+            repo,
+            check=False,
+        )
+        if proc.returncode == 0:
+            return
+        stages = git(["ls-files", "-u"], repo).stdout.splitlines()
+        unmerged = sorted({line.split("\t", 1)[1] for line in stages})
+        for rel in unmerged:
+            for conflict in conflicts_in(read_text(repo / rel), rel):
+                result.obstacles.append(
+                    conflict_obstacle(patch, conflict, hunks, onto, base_name)
+                )
+            blocked[rel] = patch.name
+        if not unmerged:  # no merge to show: what git said, per file named
+            errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+            named = [
+                rel
+                for rel in patch.files
+                if rel not in skip and any(rel in e for e in errors)
+            ]
+            for rel in named or [rel for rel in patch.files if rel not in skip]:
+                result.obstacles.append(
+                    Obstacle(
+                        "CONFLICT",
+                        patch,
+                        rel,
+                        [],
+                        "git apply --3way refused it",
+                        [f"  {ln}" for ln in errors if rel in ln or not named],
+                    )
+                )
+                blocked[rel] = patch.name
+        # Back to the tree's files, then the rest of this patch without them.
+        git(["reset", "-q", "--hard", "HEAD"], repo)
+
+
+def conflict_obstacle(
+    patch: Patch,
+    conflict: Conflict,
+    hunks: dict[str, list[Hunk]],
+    onto: Target,
+    base_name: str,
+) -> Obstacle:
+    """A conflict region as ``git am -3`` shows it, with the tree's side
+    (ours), the pinned vLLM's (base) and the patch's (theirs); where the
+    tree has none of the lines, it removed the code the hunk changes."""
+    numbers = conflict.hunks(hunks.get(conflict.file, []))
+    removed = not any(line.strip() for line in conflict.ours)
+    why = (
+        f"obsolete: {onto.root} no longer has the lines it changes"
+        if removed
+        else f"at line {conflict.line} of the merged file"
+    )
+    detail = []
+    for side, text in (
+        (f"{onto.root} (ours)", conflict.ours),
+        (f"{base_name} (base)", conflict.base),
+        (f"{patch.name} (theirs)", conflict.theirs),
+    ):
+        detail.append(f"    {side}:")
+        detail += [f"      | {ln}" for ln in text] or ["      (no lines)"]
+    return Obstacle("CONFLICT", patch, conflict.file, numbers, why, detail)
+
+
+def dropped_hunks(
+    patch: Patch,
+    hunks: dict[str, list[Hunk]],
+    fresh: str,
+    blocked: dict[str, str],
+    tree: dict[str, Path | None],
+    onto: Target,
+    result: Rebased,
+) -> None:
+    """Hunks that merged cleanly into nothing: the tree already makes their
+    change, so the refreshed patch would silently lose them."""
+    new = fresh_hunks(fresh)
+    for rel, old in hunks.items():
+        if tree[rel] is None or rel in blocked:  # named already
+            continue
+        kept = changed_lines(new.get(rel, []))
+        gone = [
+            number
+            for number, hunk in enumerate(old, 1)
+            if not all(line in kept for line in changed_lines([hunk]))
+        ]
+        if gone:
+            result.obstacles.append(
+                Obstacle(
+                    "OBSOLETE",
+                    patch,
+                    rel,
+                    gone,
+                    f"{onto.root} already has its change (the three-way merge "
+                    "drops it)",
+                )
             )
-            for side, text in (
-                (f"{onto.root} (ours)", conflict.ours),
-                (f"vLLM {patch_set.base_version()} (base)", conflict.base),
-                (f"{patch.name} (theirs)", conflict.theirs),
-            ):
-                lines.append(f"    {side}:")
-                lines += [f"      | {ln}" for ln in text] or ["      (no lines)"]
-    if not unmerged:
-        errors = [ln for ln in stderr.strip().splitlines() if ln.startswith("error:")]
-        lines += [f"  {ln}" for ln in errors]
+
+
+def obstacles_report(
+    patch_set: PatchSet, obstacles: list[Obstacle], onto: Target
+) -> str:
+    """Every hunk that does not carry over, patch by patch, as ``git am -3``
+    would stop at each in turn."""
+    lines = []
+    base = f"vLLM {patch_set.base_version()}"
+    for patch in patch_set.patches:
+        mine = [o for o in obstacles if o.patch is patch]
+        if not mine:
+            continue
+        lines.append(f"{patch.name} does not apply to {onto.root}, even three-way:")
+        for o in mine:
+            hunks = [d for d in o.detail if d.startswith("hunk #")]
+            rest = [d for d in o.detail if d not in hunks]
+            for hunk in hunks or ["the file"]:
+                lines.append(f"  {o.kind} {o.file} {hunk}: {o.why}")
+            lines += rest
+    counts = {}
+    for o in obstacles:
+        counts[o.kind] = counts.get(o.kind, 0) + max(len(o.numbers), 1)
+    lines.append(
+        "in all: "
+        + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+        + f" hunk(s) of the {base} series ({patch_set.series_name})"
+    )
     return "\n".join(lines)
 
 
-def not_tried(rest: list[Patch]) -> str:
-    names = ", ".join(p.name for p in rest)
-    return (
-        (f"\nnot tried: {names}" if rest else "")
-        + "\nnothing was written; `git am -3` of the series in a git clone of "
-        "that vLLM stops at this patch: resolve it there, `git am "
-        "--continue`, and `git format-patch` the commits into the new patch set "
-        "(docs/editing-and-upstreaming.md: Upstreaming)"
-    )
+REBASE_ADVICE = (
+    "nothing was written; `git am -3` of the series in a git clone of "
+    "that vLLM stops at the first of these: resolve it there (a hunk of a "
+    "file that is gone moves where the code went, or is dropped with its "
+    "reason in the patch header), `git am --continue`, and `git "
+    "format-patch` the commits into the new patch set "
+    "(docs/editing-and-upstreaming.md: Upstreaming)"
+)
 
 
 def rebase(
@@ -587,6 +802,10 @@ def rebase(
             "took it)"
         )
     result = rebase_series(patch_set, base, onto, tree)
+    if result.obstacles:
+        raise ApplyError(
+            obstacles_report(patch_set, result.obstacles, onto) + "\n" + REBASE_ADVICE
+        )
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:

@@ -18,8 +18,16 @@ from pathlib import Path
 import pytest
 
 import apply
-from _apply import git
-from tests.tooling.conftest import PROJECT_DIR, copy_small, run_tool, tree_digest
+from _apply import git, parse_patch
+from tests.tooling.conftest import (
+    BASE,
+    PROJECT_DIR,
+    copy_small,
+    flat_project,
+    run_tool,
+    series_dir,
+    tree_digest,
+)
 from tests.tooling.upstream_edits import (
     UPSTREAM_EDIT,
     UPSTREAM_LINE,
@@ -38,11 +46,10 @@ OLD_DATE = "Last-Update: 2000-01-01"
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """A copy of this project's patch set whose patches were last updated
-    long ago, so a refreshed one shows it."""
-    root = tmp_path / "k3-sppp"
-    for part in ("patches", "vllm_overlay", "results"):
-        shutil.copytree(PROJECT_DIR / part, root / part)
+    """A copy of this project's series for the vLLM the tests run on, as a
+    patch set of its own, whose patches were last updated long ago, so a
+    refreshed one shows it."""
+    root = flat_project(tmp_path / "k3-sppp")
     for patch in series(root / "patches"):
         text = re.sub(r"^Last-Update: .*$", OLD_DATE, patch.read_text(), flags=re.M)
         patch.write_text(text)
@@ -51,9 +58,9 @@ def project(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def tree(pristine_cache: Path, tmp_path: Path) -> Path:
-    """vLLM 0.33.0's files that the series reads, in a tree of their own."""
+    """The pristine files that the series reads, in a tree of their own."""
     root = copy_small(pristine_cache, tmp_path / "vllm-tree")
-    copy_files(pristine_cache, root, series_files(PROJECT_DIR / "patches"))
+    copy_files(pristine_cache, root, series_files(series_dir(PROJECT_DIR)))
     return root
 
 
@@ -146,7 +153,7 @@ def test_rebase_onto_changed_lines_names_the_hunk_with_both_sides_and_writes_not
     assert f"{spot.patch.name} does not apply to {tree}, even three-way" in proc.stderr
     assert f"CONFLICT {spot.file} hunk #{spot.number} ({spot.header})" in proc.stderr
     sides = proc.stderr.split(f"{tree} (ours):")[1]
-    ours, rest = sides.split("vLLM 0.33.0 (base):")
+    ours, rest = sides.split(f"vLLM {BASE} (base):")
     base, theirs = rest.split(f"{spot.patch.name} (theirs):")
     assert f"| {edited}" in ours
     assert f"| {edited.replace(UPSTREAM_EDIT, '')}" in base
@@ -221,21 +228,76 @@ def test_rebase_writes_the_version_the_tree_says_or_the_one_named(
         "--out",
         str(out),
         "--onto-version",
-        "0.34.0.dev1",
+        "0.35.0.dev1",
     )
     assert proc.returncode == 0, proc.stderr
-    assert apply.base_version(out) == "0.34.0.dev1"
+    assert apply.base_version(out) == "0.35.0.dev1"
 
 
-def test_rebase_names_a_file_the_tree_lacks(project, tree, pristine_cache, tmp_path):
+def test_rebase_names_every_hunk_of_a_file_the_tree_lacks(
+    project, tree, pristine_cache, tmp_path
+):
+    """Each hunk of the file, with what it changed (the def or class around
+    it in the pinned original); the rest of the series is still tried, and
+    nothing is written."""
     spot = movable_hunk(project / "patches")
     (tree / spot.file).unlink()
     out = tmp_path / "rebased"
     proc = rebase(project, tree, out, pristine_cache)
     assert proc.returncode == apply.EXIT_ERROR
-    assert f"{spot.patch.name} does not apply to {tree}" in proc.stderr
-    assert spot.file in proc.stderr.split("even three-way:")[1]
+    report = proc.stderr.split(f"{spot.patch.name} does not apply to {tree}, even ")
+    headers = parse_patch(spot.patch).hunks[spot.file]
+    for number, header in enumerate(headers, 1):
+        assert re.search(
+            rf"\n  GONE {re.escape(spot.file)} hunk #{number} \({re.escape(header)}\) "
+            rf"(in \w[\w.]*|at module level): not in {re.escape(str(tree))}\n",
+            report[1],
+        ), number
+    owner = enclosing_def(pristine_cache / spot.file, spot.removed)
+    where = f"in {owner}" if owner else "at module level"
+    assert f"hunk #{spot.number} ({spot.header}) {where}: " in proc.stderr
+    assert f"in all: {len(headers)} GONE hunk(s) of the vLLM {BASE} series" in (
+        proc.stderr
+    )
     assert not out.exists()
+
+
+def test_rebase_names_the_hunks_whose_change_the_tree_already_has(
+    project, tree, pristine_cache, tmp_path
+):
+    """Where upstream took a patch's change to a file, the three-way merge
+    drops its hunks silently: rebase names each, and writes nothing."""
+    spot = movable_hunk(project / "patches")
+    applied = copy_small(pristine_cache, tmp_path / "applied")
+    copy_files(pristine_cache, applied, series_files(project / "patches"))
+    proc = run_tool(project, "apply", "--target", str(applied))
+    assert proc.returncode == 0, proc.stderr
+    (tree / spot.file).write_bytes((applied / spot.file).read_bytes())
+    out = tmp_path / "rebased"
+    proc = rebase(project, tree, out, pristine_cache)
+    assert proc.returncode == apply.EXIT_ERROR, proc.stdout
+    report = proc.stderr.split(f"{spot.patch.name} does not apply to {tree}, even ")
+    headers = parse_patch(spot.patch).hunks[spot.file]
+    for number, header in enumerate(headers, 1):
+        assert (f"  OBSOLETE {spot.file} hunk #{number} ({header}) ") in report[1], (
+            number
+        )
+    assert f"{tree} already has its change" in report[1]
+    assert not out.exists()
+
+
+def enclosing_def(path: Path, line: int) -> str:
+    """The qualified name of the def or class around ``line`` (1-based)."""
+    names, indent = [], None
+    for text in reversed(path.read_text().split("\n")[: line - 1]):
+        match = re.match(r"^(\s*)(?:async\s+)?(?:def|class)\s+(\w+)", text)
+        width = len(text) - len(text.lstrip())
+        if text.strip() and indent is None:
+            indent = width
+        if match and width < indent:
+            names.append(match.group(2))
+            indent = width
+    return ".".join(reversed(names))
 
 
 def test_rebase_refuses_a_tree_that_already_has_an_overlay_module(
