@@ -14,12 +14,17 @@
 #   make check          dry run: which patch and hunk would fail
 #   make pr-diff        build/pr/: one diff and description per upstream
 #                       pull request (patches/pull-requests.ini), in order
+#                       (BASE=0.33.0: build/pr-0.33.0/, that base's series)
 #   make rebase         the series three-way onto another vLLM tree, written
 #                       as a patch set for it: VLLM=TREE [OUT=build/rebased]
-#                       [ONTO_VERSION=] (where TREE does not say its version)
-#   make lint           ruff, the series' consistency, the pull requests' order
+#                       [ONTO_VERSION=] (where TREE does not say its version);
+#                       a hunk that does not carry over is named, not written
+#   make lint           ruff, and every series (each base's, on its own venv:
+#                       builds the venvs it lacks): consistency, every prefix
+#                       applies, the pull requests' order
 #   make manifest       regenerate patches/base.sha256 (the wheel's RECORD) and
-#                       patches/patched.sha256 (what the series writes)
+#                       patches/patched.sha256 (what the series writes);
+#                       BASE=0.33.0: those of bases/0.33.0/patches
 #   make nccl-bench     time the SP hand-off and the packed end gather over
 #                       NCCL: NPROC=4 NCCL_ARGS="--part handoff --tp 2"
 #                       (gloo on CPU: a small grid, a few minutes)
@@ -54,7 +59,7 @@
 #   make mutate         mutation testing of the lines the series installs
 #                       (resumable; MUTATE_ARGS="--limit N", "--files F ..."
 #                       or "--jobs N" on more cores; hours on 2 cores)
-#   make setup          only the pinned .venv
+#   make setup          only the pinned .venv (BASE=0.33.0: .venv-0.33.0)
 #
 # MODEL= is the checkpoint directory, as the seed exports it (CHECKPOINT= is
 # the same, and wins): the Python tools' --checkpoint. Their --model is the
@@ -62,11 +67,17 @@
 # make's SERVED_MODEL=. TOKENIZER=, BASE_URL=, SEED= and LIMIT= are their
 # --tokenizer, --base-url, --seed and --limit, in those tools' meanings
 # (.venv/bin/python -m eval.bench run --help, eval.gsm8k run --help).
+# BASE=0.33.0 works on vLLM 0.33.0 instead of the default (setup.cfg's vllm,
+# 0.34.0): setup, apply, test, revert, status, check, pr-diff, manifest,
+# rebase, serve and the evaluation targets use .venv-0.33.0 (built by the
+# first of them that needs it), and apply.py picks the series kept for that
+# vLLM (bases/0.33.0/patches) by the venv's version. BASE is one of
+# setup.cfg's vllm_bases.
 # VLLM=/path points apply, revert, status, check and pr-diff at your own vLLM
 # (site-packages, venv, checkout root or the vllm/ package) instead of .venv,
 # and tells evaluate, gsm8k and bench whose patch state to record; for rebase
-# it is the tree the series moves onto.
-# Needs: python3 (3.9+) for apply.py; PYTHON=python3.11 (3.11+, as vLLM 0.33.0)
+# it is the tree the series moves onto. Its vLLM version picks the series.
+# Needs: python3 (3.9+) for apply.py; PYTHON=python3.11 (3.11+, as vLLM)
 # on PATH to build .venv, or PYTHON=/path/to/python3.11.
 
 SHELL := /bin/bash
@@ -75,19 +86,23 @@ SHELL := /bin/bash
 pin = $(shell sed -n 's/^$(1) *= *//p' setup.cfg)
 PYTHON ?= $(call pin,python)
 # The vLLM release: the default (setup.cfg's vllm) lives in .venv, any other
-# of setup.cfg's vllm_bases in .venv-BASE, with its own series (bases/BASE/).
+# of setup.cfg's vllm_bases in .venv-BASE. apply.py picks the series by the
+# target's vLLM version: patches/ for the default, bases/BASE/patches/ else.
 DEFAULT_BASE := $(call pin,vllm)
+BASES := $(call pin,vllm_bases)
 BASE ?= $(DEFAULT_BASE)
-ifeq ($(filter $(BASE),$(call pin,vllm_bases)),)
-$(error BASE=$(BASE): the series is kept for vLLM $(call pin,vllm_bases) (setup.cfg vllm_bases))
+ifeq ($(filter $(BASE),$(BASES)),)
+$(error BASE=$(BASE): the series is kept for vLLM $(BASES) (setup.cfg vllm_bases))
 endif
 VENV := $(if $(filter $(BASE),$(DEFAULT_BASE)),.venv,.venv-$(BASE))
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.k3-sppp-setup
+# The venv of BASE as apply.py's target (none: .venv is its default).
+BASE_TARGET := $(if $(filter $(BASE),$(DEFAULT_BASE)),,--target=$(VENV))
 # The path reaches apply.py through the environment (make exports VLLM),
 # never through the recipe's text: the shell sees no quote, backtick or $ of it.
-TARGET := $(if $(VLLM),--target="$$VLLM",$(if $(filter $(BASE),$(DEFAULT_BASE)),,--target=$(VENV)))
-APPLY := python3 apply.py $(if $(filter $(BASE),$(DEFAULT_BASE)),,--patch-set bases/$(BASE))
+TARGET := $(if $(VLLM),--target="$$VLLM",$(BASE_TARGET))
+APPLY := python3 apply.py
 PYTEST_ARGS ?=
 TEST_PATHS ?=
 
@@ -157,8 +172,11 @@ status:
 check:
 	$(APPLY) check $(TARGET)
 
-# Tests always run in .venv, so they apply there whatever VLLM says; an
-# older revision of this patch set applied there (exit 6) is replaced.
+# Tests always run in BASE's venv (.venv, or .venv-BASE), so they apply there
+# whatever VLLM says; an older revision of this patch set applied there
+# (exit 6) is replaced. The tests that ask apply.py about "the project's
+# venv" get that one: apply.py's default target is the project venv whose
+# Python runs it.
 # What vLLM, torch and the tests write to TMPDIR (ZeroMQ sockets, torchrun's
 # logs, inductor's cache, pytest's tmp_path, the ranks' output) goes to one
 # directory per run: removed after a passing run, kept and named after a
@@ -192,10 +210,10 @@ rc=$$serving; if [ $$rc -eq 0 ]; then rc=$$rest; fi
 endef
 
 test: setup
-	@$(APPLY) status $(TARGET) > /dev/null; if [ $$? -eq 6 ]; then \
+	@$(APPLY) status $(BASE_TARGET) > /dev/null; if [ $$? -eq 6 ]; then \
 		echo "make test: $(VENV) has another revision of the patch set; replacing it"; \
-		$(APPLY) revert $(TARGET); fi
-	$(APPLY) apply $(TARGET)
+		$(APPLY) revert $(BASE_TARGET); fi
+	$(APPLY) apply $(BASE_TARGET)
 	$(call pytest_in_own_tmpdir,$(if $(TEST_PATHS),run_pytest $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?,$(whole_suite)))
 
 # Only the tests that run the series inside real `vllm serve` servers on CPU
@@ -203,21 +221,27 @@ test: setup
 test-serving: TEST_PATHS := tests/serving
 test-serving: test
 
+# Every series is linted on a pristine venv of its own vLLM (.venv and
+# .venv-BASE, apply.py lint finds them), so the venvs it lacks are built.
 lint: setup
+	@for base in $(filter-out $(BASE),$(BASES)); do \
+		$(MAKE) --no-print-directory setup BASE=$$base || exit; done
 	$(VPY) -m ruff check .
 	$(VPY) -m ruff format --check .
 	$(APPLY) lint
 
 manifest: setup
-	$(APPLY) manifest
+	$(APPLY) manifest $(BASE_TARGET)
 
+# One directory per base: each run removes the diffs no pull request writes.
+PR_DIR := build/pr$(if $(BASE_TARGET),-$(BASE))
 pr-diff: setup
-	$(APPLY) export $(TARGET) --pulls build/pr
+	$(APPLY) export $(TARGET) --pulls $(PR_DIR)
 
 OUT ?= build/rebased
 rebase: setup
 	@test -n "$(VLLM)" || { echo "make rebase: say which tree: VLLM=TREE"; exit 2; }
-	$(APPLY) rebase --onto "$(VLLM)" --out "$(OUT)" \
+	$(APPLY) rebase $(BASE_TARGET) --onto "$(VLLM)" --out "$(OUT)" \
 		$(if $(ONTO_VERSION),--onto-version "$(ONTO_VERSION)")
 
 comm-report: setup

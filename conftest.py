@@ -4,7 +4,9 @@ its first import, in this process and in every rank process it spawns. The
 upstream-bound tests under vllm_overlay/tests rely on this too; they use no
 device, so in vLLM's own CI they run on whatever platform it has."""
 
+import importlib.metadata
 import os
+from pathlib import Path
 
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 # Importing vLLM imports humming, which starts two interpreters in the
@@ -29,3 +31,41 @@ def pytest_runtest_setup(item):
         from tests.sppp_testbed.cpu_platform import accept_x86_without_triton
 
         accept_x86_without_triton()
+
+
+# Each vLLM base runs the overlay tests composed for it, as apply composes the
+# overlay: vllm_overlay/tests/ is shared; bases/VERSION/vllm_overlay/tests/
+# holds only the tests that VERSION needs otherwise, each in place of the
+# shared file of the same path. The base is the vLLM this interpreter has
+# (`make test BASE=0.33.0` runs .venv-0.33.0's).
+ROOT = Path(__file__).resolve().parent
+
+
+def running_vllm() -> str | None:
+    try:
+        return importlib.metadata.version("vllm").split("+")[0]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def overlay_test_ignored(path: Path, root: Path, version: str | None) -> bool:
+    """Whether ``path`` is an overlay test of another base than ``version``,
+    or a shared one that ``version``'s own copy replaces."""
+    bases = root / "bases"
+    if bases in path.parents:
+        parts = path.relative_to(bases).parts
+        return (
+            len(parts) > 2
+            and parts[1:3] == ("vllm_overlay", "tests")
+            and (parts[0] != version)
+        )
+    shared = root / "vllm_overlay"
+    if shared / "tests" in path.parents and version is not None:
+        return (bases / version / "vllm_overlay" / path.relative_to(shared)).is_file()
+    return False
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    if overlay_test_ignored(collection_path.resolve(), ROOT, running_vllm()):
+        return True
+    return None
