@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import apply
-from tests.tooling.conftest import PROJECT_DIR, run_tool, tree_digest
+from tests.tooling.conftest import BASE, PROJECT_DIR, UNKEPT, run_tool, tree_digest
 
 PROBE = "vllm/k3_sppp_probe/__init__.py"
 SERIES = [
@@ -41,6 +41,8 @@ KEYS = [
     "orphans",
     "finish",
     "applied_to",
+    "series",
+    "bases",
 ]
 
 
@@ -66,7 +68,7 @@ def files(*drift: str | None) -> list[dict]:
 def applied_revision(small_tool) -> str:
     proc = small_tool("apply")
     assert proc.returncode == 0, proc.stderr
-    return re.search(r"applied revision ([0-9a-f]{12}) ", proc.stdout).group(1)
+    return re.search(r"applied revision ([0-9a-f]{12}), ", proc.stdout).group(1)
 
 
 def test_status_json_of_a_pristine_target(small_tool, small_target, patch_set):
@@ -77,9 +79,9 @@ def test_status_json_of_a_pristine_target(small_tool, small_target, patch_set):
         "state": "not-applied",
         "error": None,
         "target": str(small_target.resolve()),
-        "vllm_version": "0.33.0",
+        "vllm_version": BASE,
         "patch_set": str(patch_set.resolve()),
-        "base_version": "0.33.0",
+        "base_version": BASE,
         "revision": None,
         "patch_set_revision": None,
         "started": None,
@@ -91,6 +93,8 @@ def test_status_json_of_a_pristine_target(small_tool, small_target, patch_set):
         "orphans": [],
         "finish": None,
         "applied_to": None,
+        "series": str(patch_set.resolve() / "patches"),
+        "bases": {BASE: str(patch_set.resolve() / "patches")},
     }
     assert report["patch_set_revision"] == applied_revision(small_tool)
 
@@ -238,20 +242,26 @@ def set_base(patch_set: Path, text: str) -> Path:
 def test_a_patch_set_for_another_vllm_is_refused_naming_its_base_file(
     small_tool, small_target, patch_set
 ):
-    path = set_base(patch_set, "# ported\n0.34.0\n")
-    assert apply.base_version(patch_set) == "0.34.0"
+    set_base(patch_set, f"# ported\n{UNKEPT}\n")
+    assert apply.base_version(patch_set) == UNKEPT
     before = tree_digest(small_target)
     proc = small_tool("apply")
     assert proc.returncode == apply.EXIT_DRIFT
-    assert f"vLLM 0.33.0 found, the patch set is pinned to 0.34.0 ({path})" in (
+    version_file = small_target.resolve() / "vllm/_version.py"
+    assert f"{small_target.resolve()}: vLLM {BASE} (so say {version_file} and" in (
         proc.stderr
     )
+    assert (
+        f"the patch set {patch_set.resolve()} keeps a series only for vLLM "
+        f"{UNKEPT} (patches/base.version), so nothing was written"
+    ) in proc.stderr
     assert tree_digest(small_target) == before
     proc = small_tool("manifest")
     assert proc.returncode == apply.EXIT_ERROR
-    assert f"generated from vLLM 0.34.0 ({path}), found 0.33.0" in proc.stderr
+    path = patch_set.resolve() / "patches/base.version"
+    assert f"generated from vLLM {UNKEPT} ({path}), found {BASE}" in proc.stderr
     report = status_json(small_tool)
-    assert (report["base_version"], report["vllm_version"]) == ("0.34.0", "0.33.0")
+    assert (report["base_version"], report["vllm_version"]) == (UNKEPT, BASE)
 
 
 @pytest.mark.parametrize(
@@ -286,14 +296,14 @@ def test_a_missing_or_malformed_base_version_is_refused(
 def test_lint_wants_the_setup_cfg_pin_and_the_base_version_to_agree(
     small_tool, patch_set
 ):
-    (patch_set / "setup.cfg").write_text("[k3_sppp]\nvllm = 0.34.0\n")
+    (patch_set / "setup.cfg").write_text(f"[k3_sppp]\nvllm = {UNKEPT}\n")
     proc = small_tool("lint")
     assert proc.returncode == apply.EXIT_ERROR
     assert (
-        f"{patch_set / 'setup.cfg'}: pins vllm = 0.34.0, but "
-        f"{patch_set / 'patches' / 'base.version'} says 0.33.0"
+        f"{patch_set / 'setup.cfg'}: pins vllm = {UNKEPT}, but "
+        f"{patch_set / 'patches' / 'base.version'} says {BASE}"
     ) in proc.stderr
-    set_base(patch_set, "0.34.0\n")
+    set_base(patch_set, f"{UNKEPT}\n")
     assert small_tool("lint").returncode == apply.EXIT_OK
 
 

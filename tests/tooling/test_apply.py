@@ -1,5 +1,6 @@
 # SPDX-License-Identifier: Apache-2.0
-"""apply.py on pristine vLLM 0.33.0 copies, with the tests' own patch set."""
+"""apply.py on pristine vLLM copies (the base the tests run on), with the
+tests' own patch set."""
 
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ import pytest
 
 import apply
 from tests.tooling.conftest import (
+    BASE,
     PROJECT_DIR,
+    UNKEPT,
     linked_copy,
     run_tool,
     set_version,
@@ -70,7 +73,7 @@ def test_revert_restores_the_whole_package_byte_for_byte(tool, target):
     assert tree_digest(target) != before
     proc = tool("revert")
     assert_ok(proc)
-    assert "3 file(s) back to vLLM 0.33.0" in proc.stdout
+    assert f"3 file(s) back to vLLM {BASE}" in proc.stdout
     assert tree_digest(target) == before
     assert not (target / ".k3_sppp").exists()
 
@@ -225,12 +228,14 @@ def fails_cleanly(
 
 
 def test_wrong_vllm_version_is_refused(tool, target):
-    set_version(target, "0.34.0")
+    set_version(target, UNKEPT)
     fails_cleanly(
         tool,
         target,
         "apply",
-        "vLLM 0.34.0 found, the patch set is pinned to 0.33.0",
+        f"vLLM {UNKEPT} (so say {target.resolve() / 'vllm/_version.py'} and ",
+        f"keeps a series only for vLLM {BASE} (patches/base.version), so "
+        "nothing was written",
         code=apply.EXIT_DRIFT,
     )
 
@@ -243,7 +248,7 @@ def test_base_hash_mismatch_is_refused_naming_the_file(tool, target):
         target,
         "apply",
         "vllm/logger.py: SHA-256",
-        "is not pristine vLLM 0.33.0",
+        f"is not pristine vLLM {BASE}",
         code=apply.EXIT_DRIFT,
     )
 
@@ -349,7 +354,7 @@ def test_patch_that_no_longer_applies_names_patch_and_hunk(tool, target, patch_s
 
 
 def test_check_reports_hunks_against_a_newer_vllm(tool, target):
-    set_version(target, "0.34.0")
+    set_version(target, UNKEPT)
     logger = target / "vllm/logger.py"
     logger.write_text(
         read(target, "vllm/logger.py").replace(

@@ -1,11 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
 """The series on a git clone of vLLM with ``git am``, and ``git am -3`` on a
-newer upstream commit: the patches' ``index`` lines name vLLM 0.33.0's blobs,
+newer upstream commit: the patches' ``index`` lines name their vLLM's blobs,
 so git can merge three-way where upstream moved a hunk's context, and stops
 naming the file and hunk where upstream changed the hunk's own lines.
 
-The repository is built here from the pristine files the series touches (a
-commit "v0.33.0"), with upstream edits of our own on top; git runs isolated
+The series is the one kept for the vLLM the tests run on (``BASE``). The
+repository is built here from the pristine files the series touches (a
+commit "vBASE"), with upstream edits of our own on top; git runs isolated
 from every user and system configuration, as apply.py runs it. No network.
 """
 
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from _apply import GIT_IDENTITY, git
-from tests.tooling.conftest import PROJECT_DIR
+from tests.tooling.conftest import BASE, PROJECT_DIR, series_dir
 from tests.tooling.upstream_edits import (
     UPSTREAM_LINE,
     change_removed_line,
@@ -31,18 +32,18 @@ from tests.tooling.upstream_edits import (
     series_files,
 )
 
-PATCHES = PROJECT_DIR / "patches"
+PATCHES = series_dir(PROJECT_DIR)
 
 
 @pytest.fixture
 def clone(pristine_cache: Path, tmp_path: Path) -> Path:
-    """A vLLM repository whose one commit, "v0.33.0", holds the pristine
+    """A vLLM repository whose one commit, "vBASE", holds the pristine
     files the series touches."""
     repo = tmp_path / "vllm"
     repo.mkdir()
     git(["init", "-q", "--template="], repo)
     copy_files(pristine_cache, repo, series_files(PATCHES))
-    commit(repo, "v0.33.0")
+    commit(repo, f"v{BASE}")
     return repo
 
 
@@ -54,7 +55,7 @@ def am(repo: Path, *flags: str) -> tuple[int, str]:
 
 
 def reviewed() -> dict[str, str]:
-    """patched.sha256: what the series writes into vLLM 0.33.0."""
+    """patched.sha256: what the series writes into its vLLM."""
     lines = (PATCHES / "patched.sha256").read_text().splitlines()
     return dict(reversed(ln.split("  ", 1)) for ln in lines if ln[:1] != "#")
 
@@ -63,7 +64,7 @@ def digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_git_am_puts_the_series_on_the_v0_33_0_commit(clone):
+def test_git_am_puts_the_series_on_the_release_commit(clone):
     code, output = am(clone)
     assert code == 0, output
     commits = git(["rev-list", "--count", "HEAD"], clone).stdout.strip()
@@ -124,7 +125,7 @@ def test_git_am_3_merges_a_file_an_earlier_patch_changed_with_the_series_blobs(
     """Where upstream and an earlier patch both changed a file, the later
     patch's ``index`` line names a blob only a tree with the earlier patches
     holds: ``git am -3`` stops there until it is fetched (from a repository
-    where the series went onto 0.33.0, as ``apply.py devtree`` makes one)."""
+    where the series went onto its vLLM, as ``apply.py devtree`` makes one)."""
     index, rel, after = context_after_an_earlier_patch(PATCHES, pristine_cache)
     insert_line(clone, rel, after)
     commit(clone, "upstream: move the context of a later patch's hunk")
@@ -137,7 +138,7 @@ def test_git_am_3_merges_a_file_an_earlier_patch_changed_with_the_series_blobs(
     donor.mkdir()
     git(["init", "-q", "--template="], donor)
     copy_files(pristine_cache, donor, series_files(PATCHES))
-    commit(donor, "v0.33.0")
+    commit(donor, f"v{BASE}")
     assert am(donor)[0] == 0
     git(["fetch", "-q", str(donor)], clone)
     code, output = am(clone, "-3")

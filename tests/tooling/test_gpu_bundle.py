@@ -10,6 +10,7 @@ import tarfile
 import pytest
 
 from eval import gpu_bundle
+from tests.tooling.conftest import BASE
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +30,7 @@ def test_bundle_holds_patched_sources_and_no_compiled_libraries(bundle):
         names = tar.getnames()
     assert "vllm/v1/worker/pp_intermediate_tensors.py" in names  # the overlay
     assert "vllm/v1/worker/gpu/cudagraph_utils.py" in names
-    assert any(n.startswith("vllm-0.33.0.dist-info/") for n in names)
+    assert any(n.startswith(f"vllm-{BASE}.dist-info/") for n in names)
     assert ".k3_sppp/journal.json" in names  # the revision the stages announce
     assert not [n for n in names if n.endswith(".so")]
     for path in (

@@ -15,7 +15,9 @@ import pytest
 
 import apply
 from tests.tooling.conftest import (
+    BASE,
     PROJECT_DIR,
+    UNKEPT,
     copy_small,
     run_tool,
     set_version,
@@ -154,17 +156,17 @@ def test_status_on_an_applied_tree_of_another_version_says_revert_refuses(
     small_tool, small_target
 ):
     ok(small_tool("apply"))
-    set_version(small_target, "0.32.0")
+    set_version(small_target, UNKEPT)
     status = small_tool("status")
     assert status.returncode == apply.EXIT_DRIFT, status.stdout
-    assert "vLLM 0.32.0 is installed, the patch set was applied to 0.33.0" in (
+    assert f"vLLM {UNKEPT} is installed, the patch set was applied to {BASE}" in (
         status.stdout
     )
     assert small_tool("revert").returncode == apply.EXIT_DRIFT
 
 
 def test_apply_on_another_version_exits_as_status_does(small_tool, small_target):
-    set_version(small_target, "0.32.0")
+    set_version(small_target, UNKEPT)
     before = tree_digest(small_target)
     assert small_tool("status").returncode == apply.EXIT_DRIFT
     proc = small_tool("apply")
@@ -195,7 +197,9 @@ def test_version_sources_that_disagree_or_break_are_refused(
     if broken == "metadata":
         (metadata,) = small_target.glob("vllm-*.dist-info/METADATA")
         metadata.write_text(
-            metadata.read_text().replace("\nVersion: 0.33.0\n", "\nVersion: 0.32.0\n")
+            metadata.read_text().replace(
+                f"\nVersion: {BASE}\n", f"\nVersion: {UNKEPT}\n"
+            )
         )
         expected = "the vLLM version files disagree"
     else:

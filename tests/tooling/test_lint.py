@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 import apply
-from tests.tooling.conftest import DATA, PROJECT_DIR, run_tool
+from tests.tooling.conftest import BASE, DATA, PROJECT_DIR, run_tool, series_dir
 
 FIRST = "0001-Tooling-probe-mark-two-vLLM-modules.patch"
 SECOND = "0002-Tooling-probe-change-the-version-probe-again.patch"
@@ -46,7 +46,7 @@ def test_a_patch_that_needs_a_later_one_fails_the_lint(patch_set, small_tool):
     write_series(patch_set, FIRST, THIRD, SECOND)
     assert (
         f"patches/series: the first 2 patch(es), up to {THIRD}, do not apply to "
-        "vLLM 0.33.0: vllm/version.py hunk #1 (@@ -12,7 +12,7 @@) does not apply"
+        f"vLLM {BASE}: vllm/version.py hunk #1 (@@ -12,7 +12,7 @@) does not apply"
     ) in lint_error(small_tool("lint"))
 
 
@@ -127,18 +127,19 @@ def test_forwarded_that_claims_a_forward_it_cannot_show_fails_the_lint(
 
 
 def project_series() -> list[str]:
-    return (PROJECT_DIR / "patches/series").read_text().split()
+    return (series_dir(PROJECT_DIR) / "series").read_text().split()
 
 
 @pytest.mark.parametrize("name", project_series())
 def test_each_project_patch_applies_alone_and_the_rest_without_it(
     name, pristine_cache, tmp_path
 ):
-    """Every patch of the project's series applies (and compiles) on the
-    pinned sources by itself, and the series without it still does."""
+    """Every patch of the project's series (for the vLLM the tests run on)
+    applies (and compiles) on the pinned sources by itself, and the series
+    without it still does (its overlay as composed for that vLLM)."""
     for kept in ([name], [n for n in project_series() if n != name]):
         patch_set = tmp_path / f"{len(kept)}-patches"
-        shutil.copytree(PROJECT_DIR / "patches", patch_set / "patches")
+        shutil.copytree(series_dir(PROJECT_DIR), patch_set / "patches")
         # which pull request takes a dropped patch is another lint's concern
         (patch_set / "patches" / "pull-requests.ini").unlink()
         write_series(patch_set, *kept)

@@ -18,6 +18,9 @@ import pytest
 import apply
 
 PROJECT_DIR = Path(apply.__file__).resolve().parent
+DEFAULT, *OTHERS = apply.bases()
+# Each base's make arguments, venv and vLLM: the default's in .venv.
+BASES = [([], ".venv", DEFAULT)] + [([f"BASE={v}"], f".venv-{v}", v) for v in OTHERS]
 
 
 def python_3_10(tmp_path: Path) -> Path:
@@ -42,7 +45,19 @@ def python_3_10(tmp_path: Path) -> Path:
 
 
 def make(*args: str, cwd: Path = PROJECT_DIR, path: str | None = None):
-    env = dict(os.environ)
+    # Not the settings of a make these tests run under: `make test BASE=...
+    # TEST_PATHS=...` puts its variables in the environment of every make
+    # below it, and in MAKEFLAGS.
+    given = {
+        word.split("=", 1)[0]
+        for word in os.environ.get("MAKEFLAGS", "").split()
+        if "=" in word
+    }
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in {"MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", *given}
+    }
     if path is not None:
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
     return subprocess.run(
@@ -93,31 +108,39 @@ def fresh_clone(tmp_path: Path) -> Path:
     return clone
 
 
-def test_make_apply_without_python_3_11_says_how_to_install_it(fresh_clone):
-    result = make("apply", "PYTHON=python3.11-not-installed", cwd=fresh_clone)
+@pytest.mark.parametrize(("args", "venv", "version"), BASES)
+def test_make_apply_without_python_3_11_says_how_to_install_it(
+    fresh_clone, args, venv, version
+):
+    result = make("apply", *args, "PYTHON=python3.11-not-installed", cwd=fresh_clone)
     assert result.returncode != 0
     assert result.stderr.splitlines()[0] == (
-        "make setup: python3.11-not-installed is not on PATH; vLLM 0.33.0 needs "
+        f"make setup: python3.11-not-installed is not on PATH; vLLM {version} needs "
         "Python 3.11 or newer. Install it (Ubuntu 22.04: sudo apt install "
         "python3.11 python3.11-venv; or uv python install 3.11) or point PYTHON= "
         "at one: make apply PYTHON=/path/to/python3.11"
     )
-    assert not (fresh_clone / ".venv").exists()
+    assert not (fresh_clone / venv).exists()
 
 
-def test_make_apply_with_an_older_python_names_its_version(fresh_clone, tmp_path):
-    result = make("apply", f"PYTHON={python_3_10(tmp_path)}", cwd=fresh_clone)
+@pytest.mark.parametrize(("args", "venv", "version"), BASES)
+def test_make_apply_with_an_older_python_names_its_version(
+    fresh_clone, tmp_path, args, venv, version
+):
+    result = make("apply", *args, f"PYTHON={python_3_10(tmp_path)}", cwd=fresh_clone)
     assert result.returncode != 0
-    assert "is Python 3.10.12, vLLM 0.33.0 needs 3.11 or newer" in result.stderr
-    assert not (fresh_clone / ".venv").exists()
+    assert f"is Python 3.10.12, vLLM {version} needs 3.11 or newer" in result.stderr
+    assert not (fresh_clone / venv).exists()
 
 
-def test_make_apply_on_a_full_disk_says_so_before_pip(fresh_clone):
-    """Where .venv cannot fit, no venv is made and pip never starts: the
+@pytest.mark.parametrize(("args", "venv", "version"), BASES)
+def test_make_apply_on_a_full_disk_says_so_before_pip(fresh_clone, args, venv, version):
+    """Where the venv cannot fit, no venv is made and pip never starts: the
     message names the free space, the need and the directory."""
     need = shutil.disk_usage(fresh_clone).free // 2**30 + 100
     result = make(
         "apply",
+        *args,
         f"PYTHON={sys.executable}",
         f"SETUP_FREE_GIB={need}",
         cwd=fresh_clone,
@@ -125,11 +148,56 @@ def test_make_apply_on_a_full_disk_says_so_before_pip(fresh_clone):
     assert result.returncode != 0
     assert re.fullmatch(
         rf"make setup: \d+ GiB free on the disk of {re.escape(str(fresh_clone))}; "
-        r"\.venv \(vLLM 0\.33\.0, torch 2\.14\.0 with its CUDA libraries\) needs "
-        rf"about {need} GiB\. Free space there, or clone k3-sppp onto a larger disk",
+        rf"{re.escape(venv)} \(vLLM {re.escape(version)}, torch 2\.14\.0 with its "
+        rf"CUDA libraries\) needs about {need} GiB\. Free space there, or clone "
+        "k3-sppp onto a larger disk",
         result.stderr.splitlines()[0],
     )
-    assert not (fresh_clone / ".venv").exists()
+    assert not (fresh_clone / venv).exists()
+
+
+def test_make_refuses_a_base_the_series_is_not_kept_for(fresh_clone):
+    result = make("apply", "BASE=0.32.0", cwd=fresh_clone)
+    assert result.returncode != 0
+    assert (
+        f"BASE=0.32.0: the series is kept for vLLM {' '.join(apply.bases())} "
+        "(setup.cfg vllm_bases)"
+    ) in result.stderr
+
+
+@pytest.mark.parametrize(("args", "venv", "version"), BASES)
+def test_make_targets_act_on_the_venv_of_their_base(fresh_clone, args, venv, version):
+    """apply.py gets the base's venv as its target (none: .venv, its
+    default) and never a --patch-set: the venv's vLLM picks the series."""
+    target = "" if venv == ".venv" else f" --target={venv}"
+    for verb, line in (
+        ("apply", f"python3 apply.py apply{target}"),
+        ("revert", f"python3 apply.py revert{target}"),
+        ("check", f"python3 apply.py check{target}"),
+        ("manifest", f"python3 apply.py manifest{target}"),
+        ("pr-diff", f"python3 apply.py export{target} --pulls build/pr"),
+    ):
+        out = " ".join(make("-n", verb, *args, cwd=fresh_clone).stdout.split(" "))
+        out = out.replace("  ", " ")
+        assert line in out, out
+        assert "--patch-set" not in out
+    out = make("-n", "pr-diff", *args, cwd=fresh_clone).stdout
+    assert out.rstrip().endswith(
+        "build/pr" + ("" if venv == ".venv" else f"-{version}")
+    )
+
+
+def test_make_lint_builds_the_venv_of_every_base(fresh_clone):
+    out = make("-n", "lint", cwd=fresh_clone).stdout
+    for version in apply.bases():
+        assert f'"vllm=={version}"' in out, version
+    assert "python3 apply.py lint\n" in out
+
+
+def test_make_help_says_what_base_does():
+    text = make("help").stdout
+    assert "BASE=0.33.0 works on vLLM 0.33.0 instead of the default" in text
+    assert "(BASE=0.33.0: build/pr-0.33.0/, that base's series)" in text
 
 
 def apply_py_answering(tmp_path: Path, code: int) -> str:
@@ -175,16 +243,21 @@ def test_make_help_names_every_target_that_vllm_points(tmp_path):
     assert [t for t in pointed if t not in paragraph] == []
 
 
-def clone_for_make_test(clone: Path, interpreter: str) -> None:
-    """``clone`` as `make test` finds a set-up one: `.venv`'s python runs the
-    shell script ``interpreter`` in pytest's place, and apply.py does nothing."""
-    venv_bin = clone / ".venv" / "bin"
+def clone_for_make_test(clone: Path, interpreter: str, venv: str = ".venv") -> None:
+    """``clone`` as `make test` finds a set-up one: ``venv``'s python runs the
+    shell script ``interpreter`` in pytest's place, and apply.py does nothing
+    but note its arguments in ``apply.log``."""
+    venv_bin = clone / venv / "bin"
     venv_bin.mkdir(parents=True)
     stub = venv_bin / "python"
     stub.write_text(f"#!/bin/sh\n{interpreter}")
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
-    (clone / ".venv" / ".k3-sppp-setup").touch()
-    (clone / "apply.py").write_text("")
+    (clone / venv / ".k3-sppp-setup").touch()
+    (clone / "apply.py").write_text(
+        "import sys\n"
+        f"with open({str(clone / 'apply.log')!r}, 'a') as f:\n"
+        "    f.write(' '.join(sys.argv[1:]) + '\\n')\n"
+    )
 
 
 @pytest.mark.parametrize("code", [0, 1])
@@ -244,3 +317,21 @@ def test_make_test_runs_the_serving_tests_alone_then_the_rest_in_workers(
     calls.unlink()
     result = make("test", "TEST_PATHS=tests/unit", "TEST_JOBS=0", cwd=fresh_clone)
     assert calls.read_text().splitlines() == ["-m pytest tests/unit"]
+
+
+@pytest.mark.parametrize(("args", "venv", "version"), BASES[1:])
+def test_make_test_of_a_base_applies_and_runs_in_its_venv(
+    fresh_clone, tmp_path, args, venv, version
+):
+    """`make test BASE=0.33.0`: apply.py's status and apply on .venv-0.33.0,
+    then pytest by that venv's python (its conftest picks the overlay tests
+    of that vLLM)."""
+    calls = tmp_path / "calls"
+    clone_for_make_test(fresh_clone, f'echo "$0 $@" >> {calls}\nexit 0\n', venv)
+    result = make("test", *args, "TEST_PATHS=tests/unit", cwd=fresh_clone)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (fresh_clone / "apply.log").read_text().splitlines() == [
+        f"status --target={venv}",
+        f"apply --target={venv}",
+    ]
+    assert calls.read_text().splitlines() == [f"{venv}/bin/python -m pytest tests/unit"]

@@ -25,7 +25,13 @@ import pytest
 
 import apply
 from tests.tooling import faults
-from tests.tooling.conftest import PROJECT_DIR, set_version, tree_digest
+from tests.tooling.conftest import (
+    BASE,
+    PROJECT_DIR,
+    UNKEPT,
+    set_version,
+    tree_digest,
+)
 from tests.tooling.test_revert_safety import python
 
 PROBE = "vllm/k3_sppp_probe/__init__.py"
@@ -473,10 +479,13 @@ def test_old_pythons_are_refused_not_a_syntax_error(version, patch_set, small_ta
 
 
 def test_status_on_another_vllm_says_so(patch_set, small_target):
-    set_version(small_target, "0.34.0")
+    set_version(small_target, UNKEPT)
     proc = run_apply(patch_set, "status", "--target", str(small_target))
     assert proc.returncode == apply.EXIT_DRIFT, proc.stdout
-    assert "vLLM 0.34.0 is not the pinned 0.33.0" in proc.stdout
+    assert (
+        f"vLLM {UNKEPT} is not one the patch set keeps a series for ({BASE}), "
+        "`apply` will refuse"
+    ) in proc.stdout
     assert "base matches the pin" not in proc.stdout
 
 

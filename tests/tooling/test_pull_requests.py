@@ -12,16 +12,23 @@ from __future__ import annotations
 import configparser
 import hashlib
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
 from _apply import git
-from tests.tooling.conftest import PROJECT_DIR, run_tool
+from tests.tooling.conftest import (
+    PROJECT_DIR,
+    composed_overlay,
+    flat_project,
+    run_tool,
+    series_dir,
+)
 from tests.tooling.upstream_edits import copy_files, series, series_files
 
-PULLS = PROJECT_DIR / "patches" / "pull-requests.ini"
+# The series of the vLLM the tests run on (a base's own, on another base).
+SERIES = series_dir(PROJECT_DIR)
+PULLS = SERIES / "pull-requests.ini"
 
 
 def declared() -> configparser.ConfigParser:
@@ -46,11 +53,9 @@ def pulls(pristine_cache: Path, tmp_path_factory) -> Path:
 
 @pytest.fixture
 def project(tmp_path: Path) -> Path:
-    """A copy of this project's patch set, free to edit."""
-    root = tmp_path / "k3-sppp"
-    for part in ("patches", "vllm_overlay", "results"):
-        shutil.copytree(PROJECT_DIR / part, root / part)
-    return root
+    """A copy of this project's series for the vLLM the tests run on, as a
+    patch set of its own, free to edit."""
+    return flat_project(tmp_path / "k3-sppp")
 
 
 def test_pr_diffs_apply_in_order_and_add_up_to_the_series(
@@ -61,18 +66,19 @@ def test_pr_diffs_apply_in_order_and_add_up_to_the_series(
     repo = tmp_path / "vllm"
     repo.mkdir()
     git(["init", "-q", "--template="], repo)
-    copy_files(pristine_cache, repo, series_files(PROJECT_DIR / "patches"))
+    copy_files(pristine_cache, repo, series_files(SERIES))
     stems = [f"{n:02d}-{key}" for n, key in enumerate(declared().sections(), 1)]
     assert sorted(p.stem for p in pulls.glob("*.diff")) == stems
     for stem in stems:
         proc = git(["apply", str(pulls / f"{stem}.diff")], repo, check=False)
         assert proc.returncode == 0, f"{stem}: {proc.stderr}"
-    lines = (PROJECT_DIR / "patches" / "patched.sha256").read_text().splitlines()
+    lines = (SERIES / "patched.sha256").read_text().splitlines()
     for line in (ln for ln in lines if ln[:1] != "#"):
         digest, rel = line.split("  ", 1)
         assert hashlib.sha256((repo / rel).read_bytes()).hexdigest() == digest, rel
-    for test in (PROJECT_DIR / "vllm_overlay" / "tests").rglob("*.py"):
-        rel = test.relative_to(PROJECT_DIR / "vllm_overlay")
+    for rel, test in composed_overlay(PROJECT_DIR).items():
+        if not rel.startswith("tests/"):
+            continue
         assert (repo / rel).read_bytes() == test.read_bytes(), rel
 
 
@@ -83,7 +89,7 @@ def test_each_diff_holds_exactly_its_declared_patches_and_files(pulls):
         files = set(re.findall(r"^diff --git a/\S+ b/(\S+)$", diff, re.M))
         patched = {
             rel
-            for patch in series(PROJECT_DIR / "patches")
+            for patch in series(SERIES)
             if patch.name in values(section, "patches")
             for rel in re.findall(
                 r"^diff --git a/\S+ b/(\S+)$", patch.read_text(), re.M
@@ -100,7 +106,7 @@ def test_description_is_vllms_template_from_the_patch_headers(pulls):
         heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
         assert heads == ["## Purpose", "## Test Plan", "## Test Result"]
         for name in values(section, "patches"):
-            patch = (PROJECT_DIR / "patches" / name).read_text()
+            patch = (SERIES / name).read_text()
             description = re.search(
                 r"^Description: (.*?)\n(?=\S)", patch, re.M | re.S
             ).group(1)

@@ -23,7 +23,9 @@ import pytest
 import apply
 from tests.tooling import faults
 from tests.tooling.conftest import (
+    BASE,
     PROJECT_DIR,
+    UNKEPT,
     copy_small,
     run_tool,
     set_version,
@@ -215,11 +217,11 @@ def test_revert_refuses_when_vllm_was_upgraded_under_the_patch_set(
     small_tool, small_target
 ):
     ok(small_tool("apply"))
-    set_version(small_target, "0.34.0")
+    set_version(small_target, UNKEPT)
     proc = refused(small_tool, small_target, apply.EXIT_DRIFT, "revert", "--force")
-    assert "vLLM 0.34.0 is installed, but the patch set was applied to vLLM 0.33.0" in (
-        proc.stderr
-    )
+    assert (
+        f"vLLM {UNKEPT} is installed, but the patch set was applied to vLLM {BASE}"
+    ) in proc.stderr
     assert "--any-version" in proc.stderr
     ok(small_tool("revert", "--any-version"))
     assert not (small_target / ".k3_sppp").exists()
@@ -394,9 +396,9 @@ def test_venv_with_two_pythons_is_read_at_its_own_python(
 
 
 def test_check_on_another_vllm_names_the_version(small_tool, small_target):
-    set_version(small_target, "0.34.0")
+    set_version(small_target, UNKEPT)
     proc = refused(small_tool, small_target, apply.EXIT_DRIFT, "check")
-    assert "`apply` will refuse:\n  vLLM 0.34.0 is installed" in proc.stdout
+    assert f"`apply` will refuse:\n  vLLM {UNKEPT} is installed" in proc.stdout
 
 
 def test_status_waits_for_a_run_in_progress(small_tool, small_target, patch_set):
@@ -437,7 +439,7 @@ def test_make_takes_a_vllm_path_with_spaces(small_target, tmp_path):
         capture_output=True,
         text=True,
     )
-    assert f"target:   {spaced} (vLLM 0.33.0)" in proc.stdout, proc.stderr
+    assert f"target:   {spaced} (vLLM {BASE})" in proc.stdout, proc.stderr
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to run as root")
