@@ -1,6 +1,7 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What vLLM 0.33.0 already supports gives bit-identical results with the
-patch set applied (this ``.venv``) and without it (a linked pristine tree).
+"""What vLLM already supports gives bit-identical results with the patch set
+applied (the interpreter's own venv: ``.venv`` for 0.34.0, ``.venv-0.33.0``
+for 0.33.0) and without it (a linked pristine tree of the same release).
 """
 
 from __future__ import annotations

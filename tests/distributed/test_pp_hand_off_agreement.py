@@ -105,6 +105,8 @@ class StageFlags:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     max_logprobs: int | None = None
+    # Whether the model attends with MLA (Kimi K3 does).
+    use_mla: bool = True
 
 
 SP = StageFlags()
@@ -204,6 +206,7 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
         config.model_config.max_model_len = flags.max_model_len
     if flags.max_logprobs is not None:
         config.model_config.max_logprobs = flags.max_logprobs
+    config.model_config.use_mla = flags.use_mla
     compilation = config.compilation_config
     compilation.cudagraph_capture_sizes = list(flags.capture_sizes)
     compilation.max_cudagraph_capture_size = max(flags.capture_sizes)
@@ -709,13 +712,23 @@ def test_stages_whose_extensible_kv_cache_warms_up_differently_are_refused(pool,
             "'max_model_len': 64",
             "--max-model-len",
         ),
+        # Above the budget: MLA's context-prefill step splits its workspace
+        # into requests of the model length.
         (
-            dataclasses.replace(kv, max_logprobs=0),
-            "'max_logprobs': 0",
-            "--max-logprobs",
+            dataclasses.replace(kv, max_model_len=512),
+            "'max_model_len': 512",
+            "--max-model-len",
         ),
     ]:
         assert_refused_everywhere(run_stages(pool, kv, other), shown, option)
+    # A model length below the budget: a prompt-logprobs step runs first
+    # where logprobs are allowed.
+    short = dataclasses.replace(kv, max_model_len=64)
+    assert_refused_everywhere(
+        run_stages(pool, short, dataclasses.replace(short, max_logprobs=0)),
+        "'max_logprobs': 0",
+        "--max-logprobs",
+    )
     # The JIT warm-up alone: its number of requests is capped by the budget.
     jit = dataclasses.replace(base, runner="v2", enable_jit_warmup=True)
     assert_refused_everywhere(
@@ -738,6 +751,26 @@ def test_without_sp_what_only_kv_sizing_reads_may_differ_beside_jit_warm_up(pool
         dataclasses.replace(jit, max_logprobs=0),
     ):
         assert_started_everywhere(run_stages(pool, jit, other))
+
+
+@only_from_0_34("the extensible KV cache's KV-sizing steps")
+@topologies((2, 2))
+def test_without_sp_kv_sizing_that_runs_the_same_steps_starts(pool):
+    """The KV-sizing steps split the budget (127 tokens here) into prompts of
+    at most --max-model-len - 1 tokens, and run a prompt-logprobs step first
+    only where a prompt cannot take the whole budget: model lengths above
+    the budget, and logprobs allowed or not beside them, run the same steps
+    (gpu/warmup.py ``run_kv_cache_sizing_warmup``,
+    ``run_mixed_prefill_decode_warmup``; a model without MLA runs no
+    context-prefill step), which vLLM 0.34.0 starts."""
+    kv = dataclasses.replace(NO_SP, runner="v2", enable_extensible_kv_cache=True)
+    no_mla = dataclasses.replace(kv, use_mla=False)
+    for stages in (
+        (no_mla, dataclasses.replace(no_mla, max_model_len=512)),
+        (kv, dataclasses.replace(kv, max_logprobs=0)),
+        (kv, dataclasses.replace(kv, max_logprobs=5)),
+    ):
+        assert_started_everywhere(run_stages(pool, *stages))
 
 
 # Robust.

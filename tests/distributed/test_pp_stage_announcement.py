@@ -84,7 +84,8 @@ def test_a_stock_stage_is_refused_within_the_bound_naming_it(pool):
 
 
 def test_a_stage_on_the_pristine_tree_is_refused_within_the_bound(pristine_vllm):
-    """Stage 1 imports vLLM 0.33.0 as it was before the series."""
+    """Stage 1 imports the installed vLLM release as it was before the
+    series."""
     mixed = RankPool(1, 2, preload=PRELOAD, stage_vllm_roots={1: pristine_vllm})
     try:
         (error, seconds), pristine = mixed.run(

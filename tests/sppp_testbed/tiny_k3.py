@@ -397,7 +397,8 @@ def scenario_config(
     config.scheduler_config.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
     hf_config = tiny_config(attn_res, num_layers, dsa)
     # No checkpoint to read: the model (and the start-up check) only ask
-    # its ModelConfig for these; the last two are vLLM's defaults.
+    # its ModelConfig for these; max_logprobs is vLLM's default, and Kimi K3
+    # attends with MLA.
     object.__setattr__(
         config,
         "model_config",
@@ -408,6 +409,7 @@ def scenario_config(
             head_dtype=DTYPE,
             max_model_len=MAX_MODEL_LEN,
             max_logprobs=20,
+            use_mla=True,
         ),
     )
     return config

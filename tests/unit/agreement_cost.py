@@ -9,8 +9,9 @@ pads each (``hand_off_rows`` through ``RunnerPadding``, which asks
 SM100 GPU by default (``VllmConfig._split_cudagraph_capture_sizes`` with the
 device family answered as 100: prefill graphs up to 8192 tokens, decode
 graphs of up to ``--max-num-seqs`` requests within 8192 tokens) for uniform
-decodes of each speculative query length, and times both calls (best of
-``--repeat``), with the size of the answer a stage sends the others.
+decodes of each speculative query length, and times both calls (the first
+run, which a stage pays once at start-up, and the best of ``--repeat``), with
+the size of the answer a stage sends the others.
 
     .venv/bin/python -m tests.unit.agreement_cost [--spec 1 2 3]
         [--max-num-seqs 1024] [--max-num-batched-tokens 8192] [--repeat 3]
@@ -111,6 +112,7 @@ def measure(
     padding = RunnerPadding(config, types.SimpleNamespace(cudagraph_manager=manager))
     model = ShardedModel()
     shapes_s = rows_s = float("inf")
+    first: tuple[float, float] | None = None
     for _ in range(repeat):
         start = time.perf_counter()
         shapes = batch_shapes(
@@ -119,6 +121,7 @@ def measure(
         middle = time.perf_counter()
         rows = hand_off_rows(model, padding, shapes)
         end = time.perf_counter()
+        first = first or (middle - start, end - middle)
         shapes_s = min(shapes_s, middle - start)
         rows_s = min(rows_s, end - middle)
     return {
@@ -131,8 +134,11 @@ def measure(
             config.compilation_config.decode_cudagraph_capture_request_sizes
         ),
         "shapes": len(shapes),
-        "batch_shapes_s": shapes_s,
-        "hand_off_rows_s": rows_s,
+        # A stage enumerates once, at start-up: the first run is what it pays.
+        "batch_shapes_first_s": first[0],
+        "hand_off_rows_first_s": first[1],
+        "batch_shapes_best_s": shapes_s,
+        "hand_off_rows_best_s": rows_s,
         "answer_bytes": len(pickle.dumps(rows)),
     }
 

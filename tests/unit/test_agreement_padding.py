@@ -127,3 +127,18 @@ def test_uniform_decodes_take_their_request_count_graph(stage):
     assert padding.padded_num_tokens(BatchShape(6)) == 8  # with a prefill
     assert padding.padded_num_tokens(BatchShape(9, 3, 3)) == 9
     assert padding.padded_num_tokens(BatchShape(9)) == 16
+
+
+def test_the_enumeration_cost_tool_times_what_the_agreement_runs():
+    """tests/unit/agreement_cost.py at a small size: the shapes it times are
+    the agreement's own enumeration."""
+    from vllm.v1.worker.pp_hand_off_agreement import batch_shapes
+
+    result = agreement_cost.measure(
+        spec=(1,), max_num_seqs=8, max_num_batched_tokens=64, repeat=1
+    )
+    assert result["decode_query_len"] == 2
+    assert result["shapes"] == len(
+        batch_shapes(result["max_cudagraph_capture_size"], 2, [0])
+    )
+    assert result["batch_shapes_first_s"] > 0 and result["answer_bytes"] > 0

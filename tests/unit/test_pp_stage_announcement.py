@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import vllm
+from tests.sppp_testbed.pristine import installed_vllm_root
 from vllm.v1.worker import pp_stage_announcement
 from vllm.v1.worker.pp_stage_announcement import (
     DEFAULT_TIMEOUT_S,
@@ -24,8 +25,17 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def test_installed_tree_announces_the_revision_make_status_prints():
+    """The tree this interpreter imports (``.venv`` for 0.34.0,
+    ``.venv-0.33.0`` for 0.33.0), as ``apply.py status`` reports it."""
     status = subprocess.run(
-        [sys.executable, str(REPO / "apply.py"), "status", "--json"],
+        [
+            sys.executable,
+            str(REPO / "apply.py"),
+            "status",
+            "--json",
+            "--target",
+            str(installed_vllm_root()),
+        ],
         capture_output=True,
         text=True,
         check=False,

@@ -251,12 +251,13 @@ def pp_hand_off_settings(
             "max_num_seqs": scheduler_config.max_num_seqs,
         },
         # The extensible KV cache then runs its sizing steps, also sized by
-        # the model length (prefills per request) and the logprobs asked (a
-        # prompt-logprobs step); the kernel warm-up reads neither.
+        # the model length and the logprobs asked; the kernel warm-up reads
+        # neither. Shown as set; compared as "kv_cache_sizing_steps".
         "kv_cache_sizing": {
             "max_model_len": vllm_config.model_config.max_model_len,
             "max_logprobs": vllm_config.model_config.max_logprobs,
         },
+        "kv_cache_sizing_steps": kv_cache_sizing_steps(vllm_config),
         # A stage relays every aux state captured up to its last boundary and
         # expects those captured up to its first.
         "aux_slots_received": (
@@ -277,6 +278,28 @@ def pp_hand_off_settings(
         "enable_expert_parallel": vllm_config.parallel_config.enable_expert_parallel,
         "aux_hidden_state_layers": layers,
     }
+
+
+def kv_cache_sizing_steps(vllm_config: VllmConfig) -> tuple[int, bool]:
+    """What of the model length and logprobs decides the KV-sizing steps
+    (``run_kv_cache_sizing_warmup``): prompts of at most ``max_model_len - 1``
+    tokens share the budget, so any length above the budget splits nothing,
+    except for MLA models, whose context-prefill step splits its workspace
+    into requests of the model length; a prompt-logprobs step runs first
+    where logprobs are allowed, a prompt cannot take the whole budget and a
+    second request fits. How many logprobs the last stage computes moves no
+    PP tensor."""
+    model_config = vllm_config.model_config
+    budget = vllm_config.scheduler_config.max_num_batched_tokens
+    max_model_len = model_config.max_model_len
+    prompt_logprobs_step = (
+        model_config.max_logprobs != 0
+        and min(budget, max_model_len) < budget
+        and vllm_config.scheduler_config.max_num_seqs > 1
+    )
+    if not model_config.use_mla:
+        max_model_len = min(max_model_len, budget + 1)
+    return max_model_len, prompt_logprobs_step
 
 
 def hand_off_rows(
@@ -356,7 +379,8 @@ def warm_up_problems(everyone: list[dict[str, Any]]) -> list[str]:
     if not sizing and not any(s["warm_up"]["enable_jit_warmup"] for s in everyone):
         return []
     problems = differences(everyone, ("warm_up",))
-    if sizing:
+    steps = {s["kv_cache_sizing_steps"] for s in everyone}
+    if sizing and len(steps) > 1:
         problems += differences(everyone, ("kv_cache_sizing",))
     return problems
 
