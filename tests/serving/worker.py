@@ -144,10 +144,11 @@ class StandInModelRunner:
         if backend and pp.rank_in_group == 1:
             self.vllm_config.kernel_config.moe_backend = backend
         config = tiny_k3.scenario_config(1, 1, sp=False)
-        # The served options (parallel sizes, EP, MoE backend, compilation
-        # mode: --enforce-eager compiles nothing), the tiny model.
-        object.__setattr__(config, "parallel_config", self.vllm_config.parallel_config)
-        object.__setattr__(config, "kernel_config", self.vllm_config.kernel_config)
+        # The served options (parallel sizes, EP, MoE backend, the token
+        # budget MegaMoE's buffer is sized for, compilation mode:
+        # --enforce-eager compiles nothing), the tiny model.
+        for served in ("parallel_config", "kernel_config", "scheduler_config"):
+            object.__setattr__(config, served, getattr(self.vllm_config, served))
         served_mode = self.vllm_config.compilation_config.mode
         compilation = replace(config.compilation_config, mode=served_mode)
         object.__setattr__(config, "compilation_config", compilation)
