@@ -373,16 +373,7 @@ class Hunk:
 
 def hunks_of(patch: Patch) -> dict[str, list[Hunk]]:
     """Every hunk of a format-patch file, by the file it changes."""
-    hunks: dict[str, list[Hunk]] = {}
-    current: list[Hunk] | None = None
-    for line in read_text(patch.path).split("\n"):
-        if line.startswith("diff --git "):
-            current = hunks.setdefault(line.rsplit(" b/", 1)[1], [])
-        elif current is not None and line.startswith("@@ "):
-            current.append(Hunk(line.split(" @@")[0] + " @@", []))
-        elif current and line[:1] in (" ", "-", "+"):
-            current[-1].lines.append(line)
-    return hunks
+    return fresh_hunks(read_text(patch.path))
 
 
 def contains(lines: list[str], part: list[str]) -> bool:
