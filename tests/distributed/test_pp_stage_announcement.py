@@ -11,14 +11,17 @@ import json
 import logging
 import os
 import time
+import types
 
 import torch.distributed as dist
 
 from tests.distributed.conftest import PRELOAD, topologies
 from tests.distributed.test_pp_hand_off_agreement import BOUND_S, SP, start_stage
+from tests.sppp_testbed.bases import only_from_0_34
 from tests.sppp_testbed.launcher import RankPool
 from tests.sppp_testbed.pristine import start_as_node
-from vllm.distributed.parallel_state import get_pp_group
+from tests.sppp_testbed.tiny_k3 import scenario_config
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.v1.worker import pp_stage_announcement
 from vllm.v1.worker.pp_stage_announcement import TIMEOUT_ENV
 
@@ -153,7 +156,8 @@ def test_each_stage_logs_what_it_runs_and_whom_it_waits_for(pool):
     """What a node's log shows while it waits on the others: its stage,
     host, revision and vLLM, the bound and where to set it; then every
     stage's announcement, in stage order."""
-    mine = pp_stage_announcement.this_stage()
+    # No settings asked for: the hand-off check announces none.
+    mine = pp_stage_announcement.this_stage() | {"settings": {}}
     for rank, (stages, lines) in enumerate(pool.run(announce_logging, timeout=BOUND_S)):
         assert stages == [mine, mine], stages
         stage = rank // pool.tp
@@ -163,3 +167,68 @@ def test_each_stage_logs_what_it_runs_and_whom_it_waits_for(pool):
             f"{mine['protocol']}; waiting up to {BOUND_S:.0f} s ({TIMEOUT_ENV}) "
             f"for stage(s) [{1 - stage}] to announce theirs"
         ], lines
+
+
+class KVCacheSetUpReached(Exception):
+    """Planted where vLLM's KV cache set-up reads its config first."""
+
+
+class PlantedKVCacheConfig:
+    @property
+    def num_blocks(self) -> int:
+        raise KVCacheSetUpReached
+
+
+def initialize_kv_cache(extensible_by_stage: list[bool]) -> str:
+    """This stage's ``Worker.initialize_from_config`` as 0.34.0's executor
+    calls it once every worker has profiled: with the extensible KV cache on,
+    its set-up runs a world-group all-reduce a stage without it never joins.
+    What it raised: the announcement's refusal, or the planted end of the
+    announcement's part."""
+    from vllm.v1.worker.gpu_worker import Worker
+
+    config = scenario_config(
+        get_tp_group().world_size, get_pp_group().world_size, sp=True
+    )
+    stage = get_pp_group().rank_in_group
+    config.cache_config.enable_extensible_kv_cache = extensible_by_stage[stage]
+    worker = types.SimpleNamespace(vllm_config=config, cache_config=config.cache_config)
+    saved = os.environ.get(TIMEOUT_ENV)
+    os.environ[TIMEOUT_ENV] = str(SHORT_BOUND_S)
+    try:
+        Worker.initialize_from_config(worker, PlantedKVCacheConfig())
+    except KVCacheSetUpReached:
+        return "reached KV cache set-up"
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        if saved is None:
+            del os.environ[TIMEOUT_ENV]
+        else:
+            os.environ[TIMEOUT_ENV] = saved
+    return "returned"
+
+
+@only_from_0_34("the extensible KV cache's collectives in initialize_from_config")
+@topologies((2, 2))
+def test_stages_that_differ_on_the_extensible_kv_cache_fail_before_its_collective(
+    pool,
+):
+    """vLLM 0.34.0 sizes an extensible KV cache with a world-group all-reduce
+    in ``initialize_from_config`` (gpu_worker.py ``_min_across_ranks``), long
+    before the hand-off check: a node started without it would leave the
+    others there for good. The stages' announcement opens the call and
+    refuses on every stage, naming the option and each stage's value."""
+    results = pool.run(initialize_kv_cache, [True, False], timeout=BOUND_S)
+    host = pp_stage_announcement.this_stage()["host"]
+    for error in results:
+        assert error == (
+            "PP stages were started with settings that would leave them waiting "
+            "on each other in a collective (--enable-extensible-kv-cache: stage 0 "
+            f"on {host}=True, stage 1 on {host}=False). Start every node with the "
+            "same options."
+        ), error
+    # Alike, every stage goes on to set its KV cache up.
+    for extensible in (True, False):
+        results = pool.run(initialize_kv_cache, [extensible] * 2, timeout=BOUND_S)
+        assert results == ["reached KV cache set-up"] * pool.world, results

@@ -10,12 +10,17 @@ vLLM version, host) to the c10d store behind the distributed init, which
 answers without the peer, and polls for the others' within a bound. A stage
 that stays silent, or one that runs something else, is refused on every
 stage that announced, naming it. Only then do the hand-off rounds run.
+
+Settings that decide collectives run before those rounds (vLLM 0.34.0's
+extensible KV cache adds world-group all-reduces to KV cache set-up) travel
+with an earlier announcement, and a difference is refused naming the option.
 """
 
 import json
 import os
 import socket
 import time
+from collections.abc import Mapping
 from itertools import count
 from pathlib import Path
 from typing import Any
@@ -23,13 +28,14 @@ from typing import Any
 import torch.distributed as dist
 
 import vllm
+from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
 
 # Raised whenever what the stages exchange after the announcement changes.
-PROTOCOL = 2
+PROTOCOL = 3
 # Seconds a stage waits for the others to announce.
 TIMEOUT_ENV = "VLLM_PP_STAGE_ANNOUNCE_TIMEOUT"
 DEFAULT_TIMEOUT_S = 120.0
@@ -77,16 +83,19 @@ def _store_key(round_: int, stage: int) -> str:
     return f"k3-sppp/pp-announce/{ranks}/{round_}/{stage}"
 
 
-def announce_and_wait(timeout: float | None = None) -> list[dict[str, Any]]:
+def announce_and_wait(
+    timeout: float | None = None, settings: Mapping[str, Any] | None = None
+) -> list[dict[str, Any]]:
     """Announce this stage and return every stage's announcement, or raise
-    naming the stages that stayed silent within ``timeout`` seconds, or that
-    run another protocol, revision or vLLM."""
+    naming the stages that stayed silent within ``timeout`` seconds, that run
+    another protocol, revision or vLLM, or whose ``settings`` (command-line
+    option to this stage's value) differ."""
     pp_group = get_pp_group()
     timeout = announcement_timeout() if timeout is None else timeout
     store = dist.distributed_c10d._get_default_store()
     round_ = next(_rounds)
     me = pp_group.rank_in_group
-    mine = this_stage()
+    mine = this_stage() | {"settings": dict(settings or {})}
     store.set(_store_key(round_, me), json.dumps(mine))
     others = [n for n in range(pp_group.world_size) if n != me]
     logger.info(
@@ -137,7 +146,36 @@ def announce_and_wait(timeout: float | None = None) -> list[dict[str, Any]]:
             "PP stages run different software and would hang or mix rows at "
             f"their first exchange ({'; '.join(problems)}): {CHECK}."
         )
+    differing = [
+        f"{option}: "
+        + ", ".join(
+            f"stage {n} on {a.get('host', '?')}={_setting(a, option)}"
+            for n, a in enumerate(stages)
+        )
+        for option, value in mine["settings"].items()
+        if any(_setting(a, option) != value for a in stages)
+    ]
+    if differing:
+        raise RuntimeError(
+            "PP stages were started with settings that would leave them "
+            f"waiting on each other in a collective ({'; '.join(differing)}). "
+            "Start every node with the same options."
+        )
     return stages
+
+
+def announce_before_kv_cache(vllm_config: VllmConfig) -> None:
+    """Before KV cache set-up, whose world-group collectives run only where
+    the extensible KV cache is on: stages that differ on it would wait there
+    for good, before the hand-off check could compare them."""
+    if get_pp_group().world_size > 1:
+        announce_and_wait(
+            settings={
+                "--enable-extensible-kv-cache": (
+                    vllm_config.cache_config.enable_extensible_kv_cache
+                )
+            }
+        )
 
 
 def _parse(raw: bytes) -> dict[str, Any]:
@@ -149,6 +187,10 @@ def _parse(raw: bytes) -> dict[str, Any]:
     return data if isinstance(data, dict) else {"protocol": f"unreadable {raw[:40]!r}"}
 
 
+def _setting(announcement: dict[str, Any], option: str) -> Any:
+    return announcement.get("settings", {}).get(option, "unset")
+
+
 def _describe(announcement: dict[str, Any]) -> str:
     return (
         f"k3-sppp revision {announcement['revision']}, vLLM "
@@ -156,4 +198,10 @@ def _describe(announcement: dict[str, Any]) -> str:
     )
 
 
-__all__ = ["PROTOCOL", "TIMEOUT_ENV", "announce_and_wait", "series_revision"]
+__all__ = [
+    "PROTOCOL",
+    "TIMEOUT_ENV",
+    "announce_and_wait",
+    "announce_before_kv_cache",
+    "series_revision",
+]
