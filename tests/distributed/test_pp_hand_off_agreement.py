@@ -100,9 +100,10 @@ class StageFlags:
     # vLLM 0.34.0's extensible KV cache (on by default on CUDA): kernel
     # warm-up and KV-sizing steps even without JIT warm-up.
     enable_extensible_kv_cache: bool = False
-    # --max-num-batched-tokens, --max-model-len, --max-logprobs; None: the
-    # test bed's.
+    # --max-num-batched-tokens, --max-num-seqs, --max-model-len,
+    # --max-logprobs; None: the test bed's.
     max_num_batched_tokens: int | None = None
+    max_num_seqs: int | None = None
     max_model_len: int | None = None
     max_logprobs: int | None = None
     # Whether the model attends with MLA (Kimi K3 does).
@@ -202,6 +203,8 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
         config.cache_config.enable_extensible_kv_cache = True
     if flags.max_num_batched_tokens is not None:
         config.scheduler_config.max_num_batched_tokens = flags.max_num_batched_tokens
+    if flags.max_num_seqs is not None:
+        config.scheduler_config.max_num_seqs = flags.max_num_seqs
     if flags.max_model_len is not None:
         config.model_config.max_model_len = flags.max_model_len
     if flags.max_logprobs is not None:
@@ -248,6 +251,7 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
                         use_multi_module_mtp=lambda: False,
                         use_gemma4_mtp=lambda: False,
                         enable_adaptive_verification=False,
+                        max_num_new_slots_for_drafting=0,
                     ),
                 )
             if flags.max_loras:
@@ -771,6 +775,36 @@ def test_without_sp_kv_sizing_that_runs_the_same_steps_starts(pool):
         (kv, dataclasses.replace(kv, max_logprobs=5)),
     ):
         assert_started_everywhere(run_stages(pool, *stages))
+
+
+@only_from_0_34("the V2 runner's warm-up steps and the extensible KV cache's")
+@pytest.mark.parametrize("base", [SP, NO_SP], ids=["sp", "no-sp"])
+@topologies((2, 2))
+def test_stages_whose_warm_up_steps_match_start_however_their_inputs_differ(pool, base):
+    """What is compared is the steps, not the options that size them: the
+    kernel warm-up's requests are capped by the budget (127 tokens here:
+    63 requests of 2 tokens) and the extensible KV cache's MLA context step
+    by its workspace, so other values past those caps run the same steps,
+    which vLLM 0.34.0 starts (gpu/warmup.py ``_cap_num_warmup_reqs``,
+    ``run_context_prefill_warmup``)."""
+    jit = dataclasses.replace(base, runner="v2", enable_jit_warmup=True)
+    few = dataclasses.replace(jit, max_num_seqs=8)
+    kv = dataclasses.replace(base, runner="v2", enable_extensible_kv_cache=True)
+    for stages in (
+        (jit, dataclasses.replace(jit, max_num_seqs=256)),
+        (few, dataclasses.replace(few, max_num_batched_tokens=255)),
+        (
+            dataclasses.replace(kv, max_model_len=200),
+            dataclasses.replace(kv, max_model_len=512),
+        ),
+    ):
+        assert_started_everywhere(run_stages(pool, *stages))
+    # The same options where they change the steps: refused.
+    assert_refused_everywhere(
+        run_stages(pool, few, dataclasses.replace(few, max_num_seqs=9)),
+        "'max_num_seqs': 9",
+        "--max-num-seqs",
+    )
 
 
 # Robust.

@@ -31,6 +31,7 @@ from vllm.model_executor.models.interfaces import (
     get_pp_all_gather_overrides,
     get_pp_num_rows,
 )
+from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from vllm.v1.worker.pp_intermediate_tensors import accepts_hand_off
 from vllm.v1.worker.pp_stage_announcement import announce_and_wait
@@ -65,6 +66,7 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "--max-model-len",
         "--max-logprobs",
     ),
+    "warm_up_steps": ("--speculative-config",),
     "batch_padding": (
         "--compilation-config",
         "--max-cudagraph-capture-size",
@@ -236,10 +238,7 @@ def pp_hand_off_settings(
             for key, gather in overrides.items()
             if not key.startswith(aux_key)
         },
-        # Kernel warm-up runs real PP steps through the worker when JIT
-        # warm-up or the extensible KV cache is on (a second pass with spec
-        # decode, each sized by the decode query length, its requests capped
-        # by the scheduler's budgets): every stage must run the same ones.
+        # What decides the warm-up steps, shown where the steps differ.
         "warm_up": {
             "enable_jit_warmup": vllm_config.kernel_config.enable_jit_warmup,
             "enable_extensible_kv_cache": (
@@ -250,14 +249,12 @@ def pp_hand_off_settings(
             "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
             "max_num_seqs": scheduler_config.max_num_seqs,
         },
-        # The extensible KV cache then runs its sizing steps, also sized by
-        # the model length and the logprobs asked; the kernel warm-up reads
-        # neither. Shown as set; compared as "kv_cache_sizing_steps".
         "kv_cache_sizing": {
             "max_model_len": vllm_config.model_config.max_model_len,
             "max_logprobs": vllm_config.model_config.max_logprobs,
         },
-        "kv_cache_sizing_steps": kv_cache_sizing_steps(vllm_config),
+        # The steps themselves: compared.
+        "warm_up_steps": warm_up_steps(vllm_config, padding.decode_query_len),
         # A stage relays every aux state captured up to its last boundary and
         # expects those captured up to its first.
         "aux_slots_received": (
@@ -280,26 +277,116 @@ def pp_hand_off_settings(
     }
 
 
-def kv_cache_sizing_steps(vllm_config: VllmConfig) -> tuple[int, bool]:
-    """What of the model length and logprobs decides the KV-sizing steps
-    (``run_kv_cache_sizing_warmup``): prompts of at most ``max_model_len - 1``
-    tokens share the budget, so any length above the budget splits nothing,
-    except for MLA models, whose context-prefill step splits its workspace
-    into requests of the model length; a prompt-logprobs step runs first
-    where logprobs are allowed, a prompt cannot take the whole budget and a
-    second request fits. How many logprobs the last stage computes moves no
-    PP tensor."""
-    model_config = vllm_config.model_config
-    budget = vllm_config.scheduler_config.max_num_batched_tokens
-    max_model_len = model_config.max_model_len
-    prompt_logprobs_step = (
-        model_config.max_logprobs != 0
-        and min(budget, max_model_len) < budget
-        and vllm_config.scheduler_config.max_num_seqs > 1
+def warm_up_steps(
+    vllm_config: VllmConfig, decode_query_len: int
+) -> dict[str, Any] | None:
+    """The warm-up steps this stage runs through the worker, and so through
+    every PP boundary, before serving (``gpu/warmup.py``): the kernel
+    warm-up (JIT warm-up or the extensible KV cache; a second, greedy pass
+    with spec decode) as its passes, requests and the runner's decode query
+    length, which fix its steps, and the extensible KV cache's sizing steps
+    as the tokens each request schedules. Stages that run other steps send
+    what no neighbour receives. The caps by KV blocks are left out: vLLM
+    takes them alike on every rank (the engine's block count,
+    ``_min_across_ranks``)."""
+    cache_config = vllm_config.cache_config
+    extensible = cache_config.enable_extensible_kv_cache
+    if not (vllm_config.kernel_config.enable_jit_warmup or extensible):
+        return None
+    scheduler_config = vllm_config.scheduler_config
+    speculative_config = vllm_config.speculative_config
+    budget = scheduler_config.max_num_batched_tokens
+    max_num_reqs = scheduler_config.max_num_seqs
+    draft_slots = (
+        0
+        if speculative_config is None
+        else speculative_config.max_num_new_slots_for_drafting
     )
-    if not model_config.use_mla:
-        max_model_len = min(max_model_len, budget + 1)
-    return max_model_len, prompt_logprobs_step
+    steps: dict[str, Any] = {
+        "kernel_warm_up": (
+            1 + (speculative_config is not None),
+            min(max_num_reqs, budget // (decode_query_len + 1 + draft_slots)),
+            decode_query_len,
+        )
+    }
+    if not extensible:
+        return steps
+    model_config = vllm_config.model_config
+    max_model_len = model_config.max_model_len
+    sizing = []
+    max_prompt_len = min(budget, max_model_len)
+    if model_config.max_logprobs != 0 and max_prompt_len < budget and max_num_reqs > 1:
+        sizing.append(max_prompt_len)
+    sizing.append(budget)
+    steps["kv_cache_sizing"] = [
+        _sizing_step(vllm_config, num_tokens, decode_query_len, draft_slots)
+        for num_tokens in sizing
+    ]
+    if model_config.use_mla:
+        steps["kv_cache_sizing"].append(
+            _context_prefill_step(vllm_config, decode_query_len + 1, draft_slots)
+        )
+    return steps
+
+
+def _sizing_step(
+    vllm_config: VllmConfig, num_tokens: int, decode_query_len: int, draft_slots: int
+) -> tuple[int, ...]:
+    """The tokens each request schedules in a mixed prefill and decode
+    sizing step of ``num_tokens`` (``run_mixed_prefill_decode_warmup``, with
+    its prefill-only fallback): prompts of at most ``max_model_len - 1``,
+    a decode beside them where a request slot is left."""
+    max_num_reqs = vllm_config.scheduler_config.max_num_seqs
+    max_prefill_len = vllm_config.model_config.max_model_len - 1
+    if vllm_config.speculative_config is None:
+        decode_query_len = 1
+    with_decode = (
+        max_num_reqs >= 2
+        and cdiv(num_tokens - decode_query_len, max_prefill_len) < max_num_reqs
+    )
+    decode_tokens = decode_query_len if with_decode else 0
+    num_prefills = min(
+        cdiv(num_tokens - decode_tokens, max_prefill_len),
+        max_num_reqs - with_decode,
+    )
+    num_tokens = min(num_tokens, decode_tokens + num_prefills * max_prefill_len)
+    if vllm_config.speculative_config is not None:
+        num_tokens = min(
+            num_tokens,
+            vllm_config.scheduler_config.max_num_batched_tokens
+            - (with_decode + num_prefills) * draft_slots,
+        )
+    if num_tokens < 3:
+        return ()
+    prefill_tokens = num_tokens - decode_tokens
+    return (decode_tokens,) * with_decode + tuple(
+        min(max_prefill_len, prefill_tokens - start)
+        for start in range(0, prefill_tokens, max_prefill_len)
+    )
+
+
+def _context_prefill_step(
+    vllm_config: VllmConfig, query_len: int, draft_slots: int
+) -> tuple[int, ...]:
+    """MLA's context-prefill sizing step (``run_context_prefill_warmup``):
+    requests of ``query_len`` tokens over one chunked-context workspace."""
+    from vllm.model_executor.layers.attention.mla_attention import (
+        MLACommonMetadataBuilder,
+    )
+
+    workspace = MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size(
+        vllm_config
+    )
+    context_len = min(vllm_config.model_config.max_model_len - query_len - 1, workspace)
+    if context_len <= 0:
+        return ()
+    num_reqs = min(
+        cdiv(workspace, context_len),
+        vllm_config.scheduler_config.max_num_seqs,
+        vllm_config.scheduler_config.max_num_batched_tokens
+        // (query_len + draft_slots),
+    )
+    return (query_len,) * num_reqs
 
 
 def hand_off_rows(
@@ -374,15 +461,13 @@ def aux_slot_problems(everyone: list[dict[str, Any]]) -> list[str]:
 
 
 def warm_up_problems(everyone: list[dict[str, Any]]) -> list[str]:
-    """Warm-up steps differ only where some stage runs them."""
-    sizing = any(s["warm_up"]["enable_extensible_kv_cache"] for s in everyone)
-    if not sizing and not any(s["warm_up"]["enable_jit_warmup"] for s in everyone):
+    """Warm-up steps that differ, shown by what decides them."""
+    steps = [s["warm_up_steps"] for s in everyone]
+    if all(step == steps[0] for step in steps):
         return []
-    problems = differences(everyone, ("warm_up",))
-    steps = {s["kv_cache_sizing_steps"] for s in everyone}
-    if sizing and len(steps) > 1:
-        problems += differences(everyone, ("kv_cache_sizing",))
-    return problems
+    sizing = any(step and "kv_cache_sizing" in step for step in steps)
+    keys = ("warm_up", "kv_cache_sizing") if sizing else ("warm_up",)
+    return differences(everyone, keys) or differences(everyone, ("warm_up_steps",))
 
 
 def padding_problem(
