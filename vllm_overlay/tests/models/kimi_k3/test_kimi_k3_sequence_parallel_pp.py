@@ -168,6 +168,28 @@ def test_end_gather_packs_below_the_limit_and_gathers_each_state_above(
             torch.testing.assert_close(got, state[:num_tokens], rtol=0, atol=0)
 
 
+def test_end_gather_packs_shards_of_up_to_40_mib_per_rank(monkeypatch):
+    """The shipped limit, where packing stopped paying on 2 x H200 (TP2,
+    bf16): states whose shards hold 40 MiB together share one all-gather,
+    a byte more gathers them one by one."""
+    gathered: list[int] = []
+
+    def all_gather(shard: torch.Tensor) -> torch.Tensor:
+        gathered.append(shard.shape[-1])
+        return shard
+
+    monkeypatch.setattr(k3_sp, "sp_all_gather", all_gather)
+    half = 20 * 1024 * 1024
+    for extra, want in [(0, [2 * half]), (1, [half, half + 1])]:
+        gathered.clear()
+        states = [
+            torch.zeros(1, half, dtype=torch.uint8),
+            torch.zeros(1, half + extra, dtype=torch.uint8),
+        ]
+        k3_sp.sp_all_gather_hidden_states(states, num_tokens=1)
+        assert gathered == want, (extra, gathered)
+
+
 # -- transport overrides -------------------------------------------------
 
 
