@@ -56,7 +56,7 @@ from _apply import (
 )
 
 PULLS = "pull-requests.ini"
-PULL_KEYS = ("title", "patches", "overlay", "figures", "to-measure")
+PULL_KEYS = ("title", "patches", "overlay", "sections", "figures", "to-measure")
 NOT_RUN_HERE = (
     "Not run here: the model on GPUs across ranks. k3-sppp's tests run on "
     "the CPU with gloo: unit tests with fakes, and a tiny Kimi K3 built from "
@@ -82,6 +82,8 @@ class PullRequest:
     figures: list[str]  # FILE#Heading
     to_measure: list[str]
     number: int = 0
+    # FILE#Heading: quoted whole, each as a section of the description.
+    sections: list[str] = field(default_factory=list)
 
     @property
     def stem(self) -> str:
@@ -148,6 +150,7 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
                 lines_of(section, "figures"),
                 lines_of(section, "to-measure"),
                 number,
+                lines_of(section, "sections"),
             )
         )
     for patch in patch_set.patches:
@@ -167,7 +170,7 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
             "series order, each pull request after the ones it needs"
         )
     for pr in pulls:
-        for figure in pr.figures:
+        for figure in pr.sections + pr.figures:
             try:
                 figure_section(patch_set.root, figure)
             except ApplyError as e:
@@ -258,6 +261,11 @@ def describe(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> 
     tests = [rel for rel in pr.overlay if rel.startswith("tests/")]
     if new:
         out += ["New files: " + ", ".join(f"`{rel}`" for rel in new) + ".", ""]
+    for quoted in pr.sections:
+        title, body, command = figure_section(patch_set.root, quoted)
+        name, _, heading = quoted.partition("#")
+        out += [f"## {heading}", "", body, "", f"(k3-sppp, `{name}`: {title}.)", ""]
+        out += [command.replace("Command: ", "Measured with: "), ""] if command else []
     out += ["## Test Plan", ""]
     if tests:
         out += ["```", "pytest -q " + " \\\n    ".join(tests), "```", ""]

@@ -409,9 +409,11 @@ def mtp_path(last: StageResult) -> str:
     )
 
 
-def run_ranks(tp: int, pp: int, scenarios: list[Scenario]) -> list[list[StageResult]]:
-    """Each scenario's step on the same ``tp * pp`` ranks, a line on stderr
-    after each; their shared memory released after the last."""
+def run_ranks(
+    tp: int, pp: int, scenarios: list[Scenario], progress=sys.stderr
+) -> list[list[StageResult]]:
+    """Each scenario's step on the same ``tp * pp`` ranks, a line on
+    ``progress`` after each; their shared memory released after the last."""
     from tests.sppp_testbed.launcher import RankPool
     from tests.sppp_testbed.stages import run_step
     from vllm.distributed import destroy_model_parallel
@@ -423,7 +425,7 @@ def run_ranks(tp: int, pp: int, scenarios: list[Scenario]) -> list[list[StageRes
             runs.append(pool.run(run_step, scenario))
             print(
                 f"comm-report: step {done}/{len(scenarios)} ({scenario}) done",
-                file=sys.stderr,
+                file=progress,
                 flush=True,
             )
         # The pool kills its ranks; each TP group's broadcaster (vLLM's shared
@@ -445,7 +447,7 @@ def default_sweep(tp: int) -> str:
     return ",".join(map(str, sorted({1, max(tp - 1, 1), tp + 1, 17, 64, 127})))
 
 
-def run_report(scenario: Scenario, args: argparse.Namespace) -> str:
+def run_report(scenario: Scenario, args: argparse.Namespace, progress) -> str:
     """The step in each layout, the sweep's steps in both, and the report.
 
     The second layout runs only where it differs: SP across stages."""
@@ -457,7 +459,7 @@ def run_report(scenario: Scenario, args: argparse.Namespace) -> str:
         for n in sweep
         for name in layouts
     ]
-    results = run_ranks(args.tp, args.pp, steps)
+    results = run_ranks(args.tp, args.pp, steps, progress)
     runs = dict(zip(layouts, results, strict=False))
     measured = iter(results[len(layouts) :])
     points = [
@@ -534,7 +536,9 @@ def main(argv: list[str] | None = None) -> int:
         from tests.sppp_testbed.launcher import printing_to
 
         args.log.write_text("")  # this run's output only
-        with printing_to(str(args.log)):
+        # Progress goes where stderr went before the ranks' output is moved.
+        progress = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
+        with progress, printing_to(str(args.log)):
             from tests.sppp_testbed.stages import Scenario
 
             scenario = Scenario(
@@ -546,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
                 packed_gather_max_bytes=args.packed_gather_max_bytes,
                 drafter="mtp" if args.mtp else "",
             )
-            report = run_report(scenario, args)
+            report = run_report(scenario, args, progress)
     except BaseException:
         print(
             f"comm-report: failed; the ranks' output is in {args.log}", file=sys.stderr

@@ -140,7 +140,7 @@ def test_mtp_option_reports_a_step_with_the_mtp_layer(monkeypatch, capsys, tmp_p
     how it ran; without it, the report has no MTP line."""
     asked = []
 
-    def run_ranks(tp: int, pp: int, scenarios):
+    def run_ranks(tp: int, pp: int, scenarios, progress):
         asked.append(scenarios[0])
         return [[mtp_stage(True)] * (tp * pp) for _ in scenarios]
 
