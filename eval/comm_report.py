@@ -26,13 +26,15 @@ against, and marked as derived.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 import apply
 
@@ -469,6 +471,19 @@ def run_report(scenario: Scenario, args: argparse.Namespace, progress) -> str:
     return render(scenario, args.tp, runs, points, token_list(args.derive))
 
 
+@contextlib.contextmanager
+def terminal() -> Iterator[TextIO]:
+    """Where stderr goes now, kept open while the ranks' output is moved to
+    the log: the progress lines' destination."""
+    try:
+        descriptor = os.dup(sys.stderr.fileno())
+    except OSError:  # a stream without a descriptor (a test's capture)
+        yield sys.stderr
+        return
+    with os.fdopen(descriptor, "w", buffering=1) as stream:
+        yield stream
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tp", type=int, default=2, help="TP size (ranks per stage)")
@@ -536,9 +551,7 @@ def main(argv: list[str] | None = None) -> int:
         from tests.sppp_testbed.launcher import printing_to
 
         args.log.write_text("")  # this run's output only
-        # Progress goes where stderr went before the ranks' output is moved.
-        progress = os.fdopen(os.dup(sys.stderr.fileno()), "w", buffering=1)
-        with progress, printing_to(str(args.log)):
+        with terminal() as progress, printing_to(str(args.log)):
             from tests.sppp_testbed.stages import Scenario
 
             scenario = Scenario(
