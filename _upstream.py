@@ -779,7 +779,7 @@ def rebase(
 ) -> Rebased:
     """Write to ``out`` the patch set rebased onto ``onto``: refreshed
     patches, series, the pull-request declaration (and the result files
-    whose figures it quotes) and any other file of ``patches/``,
+    whose sections and figures it quotes) and any other file of ``patches/``,
     ``base.version``, ``base.sha256`` and ``patched.sha256`` for that tree,
     and the overlay unchanged.  ``patch_set`` is only read."""
     require_clean(patch_set)
@@ -855,9 +855,10 @@ def write_rebased(
     for rel in patch_set.overlay_export:  # composed: the base's own files
         (dest / "vllm_overlay" / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(patch_set.overlay_source(rel), dest / "vllm_overlay" / rel)
-    if (patch_set.patch_dir / PULLS).is_file():  # the figures they quote
+    if (patch_set.patch_dir / PULLS).is_file():  # the results they quote
         pulls, _ = read_pulls(patch_set)
-        for name in {f.partition("#")[0] for pr in pulls for f in pr.figures}:
+        quoted = {f.partition("#")[0] for pr in pulls for f in pr.sections + pr.figures}
+        for name in quoted:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(patch_set.root / name, dest / name)
 
