@@ -25,12 +25,15 @@
 #   make manifest       regenerate patches/base.sha256 (the wheel's RECORD) and
 #                       patches/patched.sha256 (what the series writes);
 #                       BASE=0.33.0: those of bases/0.33.0/patches
-#   make nccl-bench     time the SP hand-off and the packed end gather over
+#   make nccl-bench     time the SP hand-off (the series' and 0.34.0's gather,
+#                       send, re-shard) and the packed end gather over
 #                       NCCL: NPROC=4 NCCL_ARGS="--part handoff --tp 2"
 #                       (gloo on CPU: a small grid, a few minutes)
 #   make comm-report    what one step communicates, per rank and phase, on
 #                       real CPU ranks (COMM_ARGS="--tp 2 --pp 2 --tokens 17";
-#                       the ranks' start-up output: build/comm-report.log)
+#                       the ranks' start-up output: build/comm-report.log);
+#                       beside it 0.34.0's replicated hand-off, per rank and
+#                       per N (measured, then derived to N=32768)
 #   make serve          print one arm's serve command for one node; RUN=1
 #                       checks the node and starts it: ARM=mega-sp|fi-ep|
 #                       fi-noep|mega-sp-seed NODE_RANK= CHECKPOINT= (or

@@ -56,7 +56,7 @@ from _apply import (
 )
 
 PULLS = "pull-requests.ini"
-PULL_KEYS = ("title", "patches", "overlay", "figures", "to-measure")
+PULL_KEYS = ("title", "patches", "overlay", "sections", "figures", "to-measure")
 NOT_RUN_HERE = (
     "Not run here: the model on GPUs across ranks. k3-sppp's tests run on "
     "the CPU with gloo: unit tests with fakes, and a tiny Kimi K3 built from "
@@ -82,6 +82,8 @@ class PullRequest:
     figures: list[str]  # FILE#Heading
     to_measure: list[str]
     number: int = 0
+    # FILE#Heading: quoted whole, each as a section of the description.
+    sections: list[str] = field(default_factory=list)
 
     @property
     def stem(self) -> str:
@@ -148,6 +150,7 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
                 lines_of(section, "figures"),
                 lines_of(section, "to-measure"),
                 number,
+                lines_of(section, "sections"),
             )
         )
     for patch in patch_set.patches:
@@ -167,7 +170,7 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
             "series order, each pull request after the ones it needs"
         )
     for pr in pulls:
-        for figure in pr.figures:
+        for figure in pr.sections + pr.figures:
             try:
                 figure_section(patch_set.root, figure)
             except ApplyError as e:
@@ -258,6 +261,11 @@ def describe(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> 
     tests = [rel for rel in pr.overlay if rel.startswith("tests/")]
     if new:
         out += ["New files: " + ", ".join(f"`{rel}`" for rel in new) + ".", ""]
+    for quoted in pr.sections:
+        title, body, command = figure_section(patch_set.root, quoted)
+        name, _, heading = quoted.partition("#")
+        out += [f"## {heading}", "", body, "", f"(k3-sppp, `{name}`: {title}.)", ""]
+        out += [command.replace("Command: ", "Measured with: "), ""] if command else []
     out += ["## Test Plan", ""]
     if tests:
         out += ["```", "pytest -q " + " \\\n    ".join(tests), "```", ""]
@@ -771,7 +779,7 @@ def rebase(
 ) -> Rebased:
     """Write to ``out`` the patch set rebased onto ``onto``: refreshed
     patches, series, the pull-request declaration (and the result files
-    whose figures it quotes) and any other file of ``patches/``,
+    whose sections and figures it quotes) and any other file of ``patches/``,
     ``base.version``, ``base.sha256`` and ``patched.sha256`` for that tree,
     and the overlay unchanged.  ``patch_set`` is only read."""
     require_clean(patch_set)
@@ -847,9 +855,10 @@ def write_rebased(
     for rel in patch_set.overlay_export:  # composed: the base's own files
         (dest / "vllm_overlay" / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(patch_set.overlay_source(rel), dest / "vllm_overlay" / rel)
-    if (patch_set.patch_dir / PULLS).is_file():  # the figures they quote
+    if (patch_set.patch_dir / PULLS).is_file():  # the results they quote
         pulls, _ = read_pulls(patch_set)
-        for name in {f.partition("#")[0] for pr in pulls for f in pr.figures}:
+        quoted = {f.partition("#")[0] for pr in pulls for f in pr.sections + pr.figures}
+        for name in quoted:
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(patch_set.root / name, dest / name)
 

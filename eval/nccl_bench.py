@@ -18,9 +18,15 @@ Parts (``--part``, comma-separated; each needs only PyTorch):
     replicated transport, ``(send + 2 all-gathers) / send``, is derived from
     these, not measured.
 ``handoff``
-    The hand-off itself at TP×PP2 (``2·TP`` ranks): *sp* sends each shard to
-    the same TP rank of the next stage; *replicated* all-gathers inside TP,
-    sends a 1/TP slice and all-gathers again on the receiver.
+    The hand-off itself at TP×PP2 (``2·TP`` ranks), ``hidden_states`` and
+    ``residual``: *sp* (the series) sends each shard to the same TP rank of
+    the next stage; *replicated* is vLLM 0.34.0's way for DeepSeek V4.1 and
+    MiniMax-M3 applied to Kimi K3, step for step as the test bed's
+    ``Scenario(handoff="replicated")`` runs it: the sender all-gathers its
+    shards packed along the hidden dimension and trims them to ``N`` rows,
+    the transport sends a 1/TP slice of each key (the whole key where TP does
+    not divide its elements) and all-gathers it on the receiver, which shards
+    it again. ``replicated / sp`` per ``N`` is the figure.
 ``peak``
     What the link and the memory can do: a large peer copy GPU 0 → GPU 1 (the
     link's peak, read by every other table), a large NCCL send and all-gather,
@@ -83,6 +89,7 @@ warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*deprecated"
 __all__ = [
     "RowsDiffer",
     "check_gather",
+    "check_handoff",
     "crossover",
     "gather_steps",
     "layout_problem",
@@ -519,6 +526,54 @@ def components_point(args, n: int, pair: Group, clock: Clock, device) -> dict:
     return point
 
 
+def gather_before_send(
+    shards: Sequence[torch.Tensor], n: int, gather: GatherFn
+) -> list[torch.Tensor]:
+    """The replicated sender: every key's shard in one packed all-gather,
+    trimmed to ``n`` rows and split back (MiniMax-M3 in vLLM 0.34.0)."""
+    return packed_gather(shards, n, gather)
+
+
+def transport_slice(full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """What vLLM's transport sends of a TP-replicated key: this rank's 1/TP of
+    its elements, or the whole key where TP does not divide them."""
+    if full.numel() % tp:
+        return full
+    return full.reshape(tp, -1)[rank]
+
+
+def reshard_after_recv(
+    received: Sequence[torch.Tensor], n: int, tp: int, rank: int, gather: GatherFn
+) -> list[torch.Tensor]:
+    """The replicated receiver: each key's slices all-gathered back to ``n``
+    rows (whole keys as they came), then this rank's shard of them."""
+    rows = []
+    for part in received:
+        full = part if part.dim() == 2 else gather(part.reshape(1, -1))
+        rows.append(shard(full.reshape(n, -1), tp, rank))
+    return rows
+
+
+def check_handoff(
+    n: int,
+    hidden: int,
+    tp: int,
+    rank: int,
+    gather: GatherFn,
+    *,
+    dtype=torch.float32,
+    device: torch.device | str = "cpu",
+) -> None:
+    """The replicated hand-off's sender and receiver on this TP rank, the
+    send between them left out, give back exactly this rank's shards of
+    ``hidden_states`` and ``residual``; raises :class:`RowsDiffer` otherwise."""
+    full = full_states(n, 2, hidden, seed=13 * n, dtype=dtype, device=device)
+    mine = [shard(t, tp, rank) for t in full]
+    sent = [transport_slice(t, tp, rank) for t in gather_before_send(mine, n, gather)]
+    got = reshard_after_recv(sent, n, tp, rank, gather)
+    check_rows(f"replicated hand-off (N={n}, TP={tp})", got, mine)
+
+
 def handoff_point(args, n: int, world: Group, stages, clock: Clock, device) -> dict:
     """TP×PP2: stage 0 hands ``hidden_states`` and ``residual`` to stage 1."""
     tp, rank = args.tp, dist.get_rank()
@@ -530,9 +585,17 @@ def handoff_point(args, n: int, world: Group, stages, clock: Clock, device) -> d
     full = full_states(n, 2, args.hidden, 13 * n, args.torch_dtype, device)
     mine = [shard(t, tp, tp_rank) for t in full]
     inbox = [torch.empty_like(t) for t in mine]
+    # What the replicated transport delivers per key: a 1/TP slice (1-D), or
+    # the whole N-row key where TP does not divide its elements.
     slices = [
-        torch.empty(rows * args.hidden, dtype=t.dtype, device=device) for t in mine
+        torch.empty_like(transport_slice(t, tp, tp_rank).reshape(-1))
+        if t.numel() % tp == 0
+        else torch.empty_like(t)
+        for t in full
     ]
+
+    def gather(x: torch.Tensor) -> torch.Tensor:
+        return all_gather_rows(x, tp_pg)
 
     def sp() -> list[torch.Tensor]:
         if stage == 0:
@@ -543,19 +606,11 @@ def handoff_point(args, n: int, world: Group, stages, clock: Clock, device) -> d
 
     def replicated() -> list[torch.Tensor]:
         if stage == 0:
-            # vLLM's replicated path: gather inside TP, send this rank's 1/TP.
-            full_rows = [
-                all_gather_rows(t, tp_pg).reshape(tp, -1)[tp_rank] for t in mine
-            ]
-            send_states(full_rows, peer, None)
+            keys = gather_before_send(mine, n, gather)
+            send_states([transport_slice(t, tp, tp_rank) for t in keys], peer, None)
             return []
         recv_states(slices, peer, None)
-        return [
-            all_gather_rows(s, tp_pg).reshape(tp * rows, -1)[
-                tp_rank * rows : (tp_rank + 1) * rows
-            ]
-            for s in slices
-        ]
+        return reshard_after_recv(slices, n, tp, tp_rank, gather)
 
     got_sp, got_rep = sp(), replicated()
     if stage == 1:
@@ -790,6 +845,12 @@ def markdown(report: dict) -> str:
     if report.get("handoff"):
         lines += [
             f"## Hand-off at TP{setup['tp']}×PP2 (measured)",
+            "",
+            "sp = each shard sent to the same TP rank of the next stage (the "
+            "series); replicated = vLLM 0.34.0's way applied to Kimi K3: one "
+            "packed all-gather on the sender, trimmed to N rows, a 1/TP slice "
+            "of each key sent and all-gathered on the receiver, which shards "
+            "it again. Both back to back, as the other parts.",
             "",
             "| N | rows/rank | sp µs | replicated µs | replicated / sp |",
             "| ---: | ---: | ---: | ---: | ---: |",

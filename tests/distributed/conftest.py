@@ -124,6 +124,7 @@ def reference():
             runner="",
             production_flags=False,
             packed_gather_max_bytes=None,
+            handoff="sharded",
         )
         if key not in results:
             (results[key],) = pool.run(run_step, key)

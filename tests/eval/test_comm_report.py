@@ -13,7 +13,7 @@ import torch
 
 from eval import comm_report
 from eval.comm_report import end_gather_path, mtp_path
-from tests.sppp_testbed.accounting import CommLedger
+from tests.sppp_testbed.accounting import CommLedger, CommRecord
 from tests.sppp_testbed.launcher import RankPool, printing_to
 from tests.sppp_testbed.stages import StageResult, run_step
 
@@ -91,13 +91,16 @@ def test_the_report_ends_with_the_end_gather_and_frees_shared_memory(
 
     monkeypatch.setattr(RankPool, "run", noting_shared_memory)
     log = tmp_path / "comm-report.log"
-    assert comm_report.main(["--tp", "2", "--pp", "2", "--log", str(log)]) == 0
+    argv = ["--tp", "2", "--pp", "2", "--sweep", "", "--log", str(log)]
+    assert comm_report.main(argv) == 0
     out, err = capfd.readouterr()
     assert out.splitlines()[-1].startswith("End gather: packed, one all-gather")
-    assert err == (
-        f"comm-report: TP2×PP2 ranks on the CPU; their start-up output goes to {log}\n"
-    )
-    assert len(made) == 2  # one per stage's TP group
+    assert err.splitlines() == [
+        f"comm-report: TP2×PP2 ranks on the CPU; their start-up output goes to {log}",
+        "comm-report: step 1/2 (N=17, SP, aux=[0, 2, 3]) done",
+        "comm-report: step 2/2 (N=17, SP, aux=[0, 2, 3], replicated hand-off) done",
+    ]
+    assert len(set(made)) == 2  # one per stage's TP group, kept by the pool
     assert [name for name in made if Path("/dev/shm", name).exists()] == []
 
 
@@ -137,16 +140,107 @@ def test_mtp_option_reports_a_step_with_the_mtp_layer(monkeypatch, capsys, tmp_p
     how it ran; without it, the report has no MTP line."""
     asked = []
 
-    def run_ranks(tp: int, pp: int, scenario):
-        asked.append(scenario)
-        return [mtp_stage(True)] * (tp * pp)
+    def run_ranks(tp: int, pp: int, scenarios, progress):
+        asked.append(scenarios[0])
+        return [[mtp_stage(True)] * (tp * pp) for _ in scenarios]
 
     monkeypatch.setattr(comm_report, "run_ranks", run_ranks)
     log = ["--log", str(tmp_path / "ranks.log")]
-    comm_report.main(["--tp", "2", "--pp", "2", "--aux", "", "--mtp", *log])
+    comm_report.main(["--tp", "2", "--pp", "2", "--aux", "", "--no-sp", "--mtp", *log])
     assert asked[-1].drafter == "mtp"
     out = capsys.readouterr().out
     assert "\nMTP layer: sequence parallel, 1 shard of 17 rows" in out
-    comm_report.main(["--tp", "2", "--pp", "2", "--aux", "", *log])
+    comm_report.main(["--tp", "2", "--pp", "2", "--aux", "", "--no-sp", *log])
     assert asked[-1].drafter == ""
     assert "MTP layer" not in capsys.readouterr().out
+
+
+# --- the two hand-off layouts, side by side -----------------------------------
+
+
+def stage(records: list[tuple[str, str, tuple[int, ...]]]) -> StageResult:
+    """A rank whose ledger recorded ``(phase, op, shape)`` float64 tensors."""
+    ledger = CommLedger()
+    for phase, op, shape in records:
+        with ledger.in_phase(phase):
+            if op == "sp_shard":
+                ledger.records.append(CommRecord(phase, op, shape, 0))
+            else:
+                ledger.add(op, torch.zeros(shape, dtype=torch.float64))
+    return StageResult(sequence_parallel=True, layers=(0, 2), ledger=ledger)
+
+
+def tp2_pp2_step(layout: str) -> list[StageResult]:
+    """What TP2×PP2 records at N=17 with two 64-wide keys, by layout."""
+    end = [("stage output", "all_gather", (9, 64))]
+    if layout == "sharded":
+        send = [("PP send", "pp_send", (9, 64))] * 2
+        recv = [("PP recv", "pp_recv", (9, 64))] * 2
+    else:
+        send = [("PP send", "all_gather", (9, 128))]
+        send += [("PP send", "pp_send", (544,))] * 2
+        recv = [("PP recv", "pp_recv", (544,)), ("PP recv", "all_gather", (544,))] * 2
+        recv += [("PP recv", "sp_shard", (17, 64))] * 2
+    return [stage(send), stage(send), stage(recv + end), stage(recv + end)]
+
+
+def test_side_by_side_puts_each_layout_in_its_own_columns():
+    runs = {name: tp2_pp2_step(name) for name in comm_report.LAYOUTS}
+    rows = [line for line in comm_report.side_by_side(runs, 2) if line[:3] == "| 0"]
+    rows += [line for line in comm_report.side_by_side(runs, 2) if line[:3] == "| 2"]
+    assert rows == [
+        "| 0 | send 0→1 | 0 | 0 | 9,216 | 1 | 9,216 | 8,704 | 0 |",
+        "| 2 | receive 0→1 | 0 | 0 | 9,216 | 2 | 8,704 | 8,704 | 2 |",
+        "| 2 | end of the last stage | 1 | 4,608 | 0 | 1 | 4,608 | 0 | 0 |",
+    ]
+    total = comm_report.side_by_side(runs, 2)[-1]
+    assert total == (
+        "| all | step, all ranks (PP bytes as sent) | 2 | 9,216 | 18,432 "
+        "| 8 | 45,056 | 17,408 | 4 |"
+    )
+
+
+def test_a_point_the_rule_misses_stops_every_derived_row():
+    shape = comm_report.StepShape((64, 64), 1, 64, 8, LIMIT)
+    exact = [comm_report.rule(shape, n, 2) for n in (1, 3)]
+    table = comm_report.per_n_table(exact, shape, 2, [1024])
+    assert "The rule gives every measured point exactly" in table[0]
+    assert [line[:7] for line in table if "| **derived** |" in line] == ["| 1024 "]
+    one_off = comm_report.Cost(2, 1024, 512, 2)  # a receiver that gathered one key
+    missed = exact[:1] + [
+        comm_report.Point(
+            3, exact[1].boundary | {"replicated": one_off}, exact[1].end, True
+        )
+    ]
+    table = comm_report.per_n_table(missed, shape, 2, [1024])
+    assert "The rule misses the measured points at N=3: nothing is derived." in table[0]
+    assert not any("| **derived** |" in line for line in table)
+
+
+def test_the_report_measures_both_layouts_per_n_and_marks_what_it_derives(
+    tmp_path, capsys
+):
+    """Real TP2×PP2 ranks, hidden_states and residual (64 float64 each) at
+    N = 1 and 3, and N = 1024 derived. The figures are worked out by hand:
+    the series sends the c-row shards; the replicated arm all-gathers them
+    packed (c·128·8 B), sends N·64/2 elements per key, all-gathers those on
+    the receiver and shards both keys."""
+    argv = ["--tp", "2", "--pp", "2", "--aux", "", "--sweep", "1,3"]
+    argv += ["--derive", "1024", "--log", str(tmp_path / "ranks.log")]
+    assert comm_report.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "|" in line]
+    per_n = [
+        line for line in rows if line.split(" | ")[2] in ("measured", "**derived**")
+    ]
+    assert per_n == [
+        "| 1 | 1 | measured | 0 | 0 | 1,024 | 3 | 1,536 | 512 | 2.00× | 1 | 512 "
+        "| 1 | 512 |",
+        "| 3 | 2 | measured | 0 | 0 | 2,048 | 3 | 3,584 | 1,536 | 2.50× | 1 | 1,024 "
+        "| 1 | 1,024 |",
+        "| 1024 | 512 | **derived** | 0 | 0 | 524,288 | 3 | 1,048,576 | 524,288 "
+        "| 3.00× | 1 | 262,144 | 1 | 262,144 |",
+    ]
+    assert "The rule gives every measured point exactly" in out
+    # The step itself (N=17), rank 2: two keys received, gathered, re-sharded.
+    assert "| 2 | receive 0→1 | 0 | 0 | 9,216 | 2 | 8,704 | 8,704 | 2 |" in rows

@@ -139,6 +139,78 @@ def test_a_producer_writing_the_wrong_slice_is_caught(monkeypatch):
         assert "packed gather without copy (N=17, k=1): tensor 0 differs" in str(error)
 
 
+def run_handoff_check(
+    n: int, tp: int = 2, hidden: int = HIDDEN
+) -> list[BaseException | None]:
+    """``check_handoff`` on every TP rank (threads); what each raised."""
+    fake, raised = ThreadGather(tp), [None] * tp
+
+    def rank_main(rank: int) -> None:
+        try:
+            nccl_bench.check_handoff(n, hidden, tp, rank, fake.for_rank(rank))
+        except BaseException as error:  # noqa: BLE001 - reported to the test
+            raised[rank] = error
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    return raised
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 17, 64])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_the_replicated_hand_off_gives_each_rank_its_shards(n, tp):
+    assert run_handoff_check(n, tp) == [None] * tp
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_keys_tp_does_not_divide_travel_whole_and_still_arrive_as_shards(n):
+    """hidden 3 at TP2 and odd N: vLLM's transport sends such a key whole."""
+    full = torch.zeros(n, 3)
+    assert nccl_bench.transport_slice(full, 2, 1) is full
+    assert run_handoff_check(n, 2, hidden=3) == [None, None]
+
+
+def unsharded(received, n, tp, rank, gather):
+    return [t[: -(-n // tp)] for t in RESHARD(received, n, 1, 0, gather)]
+
+
+def first_slice(full, tp, rank):
+    return SLICE(full, tp, 0)
+
+
+def untrimmed(shards, n, gather):
+    return untrimmed_packed(shards, n, gather)
+
+
+RESHARD = nccl_bench.reshard_after_recv
+SLICE = nccl_bench.transport_slice
+
+
+@pytest.mark.parametrize(
+    ("name", "fault", "label"),
+    [
+        ("reshard_after_recv", unsharded, "tensor 0 differs"),
+        ("transport_slice", first_slice, "tensor 0 differs"),
+        ("gather_before_send", untrimmed, ""),
+    ],
+    ids=["no-reshard", "rank-0-slice", "no-trim"],
+)
+def test_a_planted_fault_in_the_replicated_hand_off_is_caught(
+    monkeypatch, name, fault, label
+):
+    monkeypatch.setattr(nccl_bench, name, fault)
+    raised = run_handoff_check(17, 2)
+    assert any(error is not None for error in raised), raised
+    for error in raised:
+        if error is not None and label:
+            assert isinstance(error, RowsDiffer), error
+            assert "replicated hand-off (N=17, TP=2)" in str(error)
+            assert label in str(error)
+
+
 def ratio_points(ratios: dict[int, float], k: int = 1) -> list[dict]:
     return [
         {
@@ -347,6 +419,27 @@ def test_the_table_states_the_derived_ratio_and_the_crossover(launch):
     assert "Hand-off at TP2×PP2 (measured)" in table
     crossings = [line for line in table.splitlines() if line.startswith("- k=")]
     assert [line[:5] for line in crossings] == ["- k=1", "- k=3"]
+
+
+def test_the_hand_off_table_sets_sp_beside_replicated_with_their_ratio(launch):
+    """One row per N: the series' hand-off, 0.34.0's replicated one, and the
+    ratio of their medians, from the JSON."""
+    report = json.loads((launch / "run.json").read_text())
+    table = (launch / "run.md").read_text().split("## Hand-off at TP2×PP2")[1]
+    rows = [
+        line for line in table.splitlines() if line.startswith("| ") and "×" in line
+    ]
+    want = []
+    for p in report["handoff"]["points"]:
+        sp, rep = p["sp"], p["replicated"]
+        ratio = rep["median_us"] / sp["median_us"]
+        want.append(
+            f"| {p['N']} | {p['rows_per_rank']} | {sp['median_us']:,.1f} "
+            f"[{sp['min_us']:,.1f}–{sp['max_us']:,.1f}] | {rep['median_us']:,.1f} "
+            f"[{rep['min_us']:,.1f}–{rep['max_us']:,.1f}] | {ratio:.2f}× |"
+        )
+    assert rows == want
+    assert "| N | rows/rank | sp µs | replicated µs | replicated / sp |" in table
 
 
 @pytest.mark.parametrize(

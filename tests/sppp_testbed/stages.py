@@ -11,6 +11,13 @@ stages' aux hidden states with the V2 runner's own
 feeds it as the V2 runner does: vLLM's MTP layer on the target's gathered
 hidden states, or DSpark's input built from the aux list in slot order.
 
+``Scenario(handoff="replicated")`` runs the same SP model with vLLM 0.34.0's
+hand-off for DeepSeek V4.1 and MiniMax-M3 wrapped around its stage boundary,
+a comparison arm the series never installs: each non-last stage all-gathers
+its shards before the send, the transport keeps its replicated default
+(a 1/TP slice sent, all-gathered on the receiver) and the next stage shards
+what it received before its layers run.
+
 A dummy run (``Scenario(dummy_run=True)``) is what memory profiling, the
 dummy runs and CUDA graph capture run on every stage alone, with no PP
 traffic: later stages get the first ``N`` rows of the runner's full-capacity
@@ -46,6 +53,7 @@ from tests.sppp_testbed.tiny_k3 import (
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.forward_context import ForwardContext, override_forward_context
+from vllm.models.common.ops import sequence_parallel as sp_ops
 from vllm.sequence import IntermediateTensors
 from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.gpu.pp_utils import PPHandler
@@ -123,6 +131,10 @@ class Scenario:
     # A dummy run (profiling, dummy runs, capture) on every stage alone,
     # later stages on the runner's full-capacity buffers; no PP traffic.
     dummy_run: bool = False
+    # How SP stages hand on their shards (HANDOFFS): "sharded", the series'
+    # shard-to-shard transport, or "replicated", 0.34.0's gather, send,
+    # re-shard (a comparison arm; the same as "sharded" where SP is off).
+    handoff: str = "sharded"
 
     def __str__(self) -> str:
         options = [f"N={self.num_tokens}", "SP" if self.sp else "no SP"]
@@ -152,6 +164,8 @@ class Scenario:
             options.append("DSA")
         if self.dummy_run:
             options.append("dummy run")
+        if self.handoff != "sharded":
+            options.append(f"{self.handoff} hand-off")
         return ", ".join(options)
 
 
@@ -299,6 +313,49 @@ BATCH_FAULTS = {
     "pad_batch_to_tp": pad_batch_to_tp,
     "sender_pads_more": sender_pads_more,
 }
+
+
+# How SP stages hand their shards to the next stage. "sharded" is the series
+# (contract 4): each key goes from TP rank r to TP rank r of the next stage as
+# it is. "replicated" is vLLM 0.34.0's way for DeepSeek V4.1 and MiniMax-M3,
+# applied to Kimi K3 around the model's stage boundary for comparison.
+HANDOFFS = ("sharded", "replicated")
+
+
+def gather_before_send(
+    output: IntermediateTensors, num_tokens: int
+) -> IntermediateTensors:
+    """A non-last stage's shards made TP-replicated for vLLM's transport, as
+    MiniMax-M3 does in 0.34.0: every key in one all-gather packed along the
+    hidden dimension (the AttnRes bank flattened), trimmed to the batch's
+    ``num_tokens`` rows and split back."""
+    tensors = output.tensors
+    flat = [tensor.reshape(tensor.shape[0], -1) for tensor in tensors.values()]
+    packed = sp_ops.sp_all_gather(torch.cat(flat, dim=-1))[:num_tokens]
+    parts = packed.split([tensor.shape[1] for tensor in flat], dim=-1)
+    return IntermediateTensors(
+        {
+            key: part.reshape(num_tokens, *tensor.shape[1:])
+            for (key, tensor), part in zip(tensors.items(), parts, strict=True)
+        }
+    )
+
+
+def shard_after_recv(received: IntermediateTensors) -> IntermediateTensors:
+    """The replicated rows a later stage received, cut to this TP rank's
+    shard before its layers run (``sp_shard``: zero-padded to TP·c rows)."""
+    return IntermediateTensors(
+        {key: sp_ops.sp_shard(tensor) for key, tensor in received.tensors.items()}
+    )
+
+
+def skip_reshard(received: IntermediateTensors) -> IntermediateTensors:
+    """The replicated arm hands the model the N received rows unsharded."""
+    return received
+
+
+# Faults of the replicated arm's receiving side.
+HANDOFF_FAULTS = {"skip_reshard": skip_reshard}
 
 
 # The runners' persistent receive buffers: max_num_tokens rows.
@@ -451,7 +508,11 @@ def run_step(scenario: Scenario) -> StageResult:
         if scenario.fault in FAULTS:
             FAULTS[scenario.fault](model)
         ledger.watch_stage(model)
-        overrides = get_pp_all_gather_overrides(model)
+        assert scenario.handoff in HANDOFFS, scenario.handoff
+        replicated = scenario.handoff == "replicated" and model.use_sequence_parallel
+        # The replicated arm sends with the transport's default: every key
+        # TP-replicated, whatever the model declares.
+        overrides = None if replicated else get_pp_all_gather_overrides(model)
         result = StageResult(
             model.use_sequence_parallel,
             (model.start_layer, model.end_layer),
@@ -478,6 +539,10 @@ def run_step(scenario: Scenario) -> StageResult:
                     tensors, comm_handles=handles, comm_postprocess=postprocess
                 )
                 intermediate.wait_for_comm()
+                if replicated:
+                    reshard = HANDOFF_FAULTS.get(scenario.fault, shard_after_recv)
+                    with ledger.counting(sp_ops, "sp_shard"):
+                        intermediate = reshard(intermediate)
         num_tokens = scenario.num_tokens
         if scenario.fault in BATCH_FAULTS:
             num_tokens = BATCH_FAULTS[scenario.fault](num_tokens)
@@ -511,6 +576,8 @@ def run_step(scenario: Scenario) -> StageResult:
             )
             output = PPHandler.relay_aux_hidden_states(relay, intermediate, output)
             with ledger.in_phase("PP send"):
+                if replicated:
+                    output = gather_before_send(output, num_tokens)
                 for handle in pp_group.isend_tensor_dict(
                     output.tensors,
                     all_gather_group=tp_group,

@@ -332,10 +332,15 @@ if HAS_DSA:
 
 
 def tiny_config(
-    attn_res: bool = False, num_layers: int = NUM_LAYERS, dsa: bool = False
+    attn_res: bool = False,
+    num_layers: int = NUM_LAYERS,
+    dsa: bool = False,
+    width: int = 4,
 ) -> KimiLinearConfig:
     """KDA and MLA alternate, as in K3; one MTP layer follows the last. With
-    ``dsa``, every full-attention layer is a DSA layer, as in K3.1."""
+    ``dsa``, every full-attention layer is a DSA layer, as in K3.1. ``width``
+    attention heads and routed experts: 4, or the TP size above TP4 (TP8 is
+    the production shape), which splits both."""
     full_attn_layers = list(range(2, num_layers + 1, 2))
     dsa_config = None
     if dsa:
@@ -353,8 +358,8 @@ def tiny_config(
         intermediate_size=96,
         num_hidden_layers=num_layers,
         num_nextn_predict_layers=1,
-        num_attention_heads=4,
-        num_experts=4,
+        num_attention_heads=width,
+        num_experts=width,
         num_experts_per_token=2,
         num_shared_experts=1,
         moe_intermediate_size=32,
@@ -395,7 +400,7 @@ def scenario_config(
         compilation_config=CompilationConfig(custom_ops=["none"]),
     )
     config.scheduler_config.max_num_batched_tokens = MAX_NUM_BATCHED_TOKENS
-    hf_config = tiny_config(attn_res, num_layers, dsa)
+    hf_config = tiny_config(attn_res, num_layers, dsa, width=max(4, tp))
     # No checkpoint to read: the model (and the start-up check) only ask
     # its ModelConfig for these; max_logprobs is vLLM's default, and Kimi K3
     # attends with MLA.

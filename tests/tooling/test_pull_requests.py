@@ -41,6 +41,11 @@ def values(section: configparser.SectionProxy, key: str) -> list[str]:
     return section.get(key, "").split()
 
 
+def entries(section: configparser.SectionProxy, key: str) -> list[str]:
+    """One entry a line (a FILE#Heading may hold spaces)."""
+    return [ln.strip() for ln in section.get(key, "").splitlines() if ln.strip()]
+
+
 @pytest.fixture(scope="module")
 def pulls(pristine_cache: Path, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("pr")
@@ -104,7 +109,8 @@ def test_description_is_vllms_template_from_the_patch_headers(pulls):
         text = (pulls / f"{number:02d}-{key}.md").read_text()
         assert text.startswith(f"# {section['title']}\n")
         heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
-        assert heads == ["## Purpose", "## Test Plan", "## Test Result"]
+        quoted = [f"## {e.split('#', 1)[1]}" for e in entries(section, "sections")]
+        assert heads == ["## Purpose", *quoted, "## Test Plan", "## Test Result"]
         for name in values(section, "patches"):
             patch = (SERIES / name).read_text()
             description = re.search(
@@ -144,6 +150,36 @@ def test_description_quotes_the_committed_figures_it_names(project, pristine_cac
     )
     assert proc.returncode == 0, proc.stderr
     assert any(changed in md.read_text() for md in out.glob("*.md"))
+
+
+def test_description_quotes_each_section_it_names_under_its_heading(
+    project, pristine_cache
+):
+    """The section's text, commands included, stands under its own heading
+    before the Test Plan; an edit of the result file shows there."""
+    named = [
+        (key, e)
+        for key in declared().sections()
+        for e in entries(declared()[key], "sections")
+    ]
+    assert named, "the declaration names no section"
+    key, entry = named[0]
+    name, heading = entry.split("#", 1)
+    result = project / name
+    text = result.read_text()
+    body = text.split(f"## {heading}\n", 1)[1].split("\n## ", 1)[0]
+    line = next(ln for ln in body.splitlines() if ln.startswith("    make "))
+    changed = line + " --edited"
+    result.write_text(text.replace(line, changed, 1))
+    out = project / "build"
+    proc = run_tool(
+        project, "export", "--pulls", str(out), "--target", str(pristine_cache)
+    )
+    assert proc.returncode == 0, proc.stderr
+    number = list(declared().sections()).index(key) + 1
+    md = (out / f"{number:02d}-{key}.md").read_text()
+    quoted = md.split(f"\n## {heading}\n", 1)[1].split("\n## Test Plan\n", 1)[0]
+    assert changed in quoted.splitlines()
 
 
 def edit_declaration(project: Path, old: str, new: str) -> None:
