@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tests.sppp_testbed import tiny_k3
+from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 from vllm.config import replace
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.parallel_state import get_pp_group
@@ -294,6 +295,17 @@ class StandInModelRunner:
         self.stack.close()
 
 
+def runner_class() -> type:
+    """vLLM's own Model Runner V2 (``CPUModelRunner``) with the tiny K3 on
+    vLLM 0.34.0 (:mod:`tests.serving.v2_runner`); on 0.33.0, whose servers
+    run the legacy runner path, the stand-in runner."""
+    if HAS_LEGACY_RUNNER:
+        return StandInModelRunner
+    from tests.serving.v2_runner import V2Runner
+
+    return V2Runner
+
+
 class Worker(cpu_worker.CPUWorker):
     """vLLM's CPU worker with the stand-in runner, warming up as the GPU
     worker does (``CPUWorker`` overrides ``compile_or_warm_up_model`` with
@@ -328,7 +340,7 @@ class Worker(cpu_worker.CPUWorker):
         self.parallel_config.disable_custom_all_reduce = True
 
     def init_device(self) -> None:
-        with mock.patch.object(cpu_worker, "CPUModelRunner", StandInModelRunner):
+        with mock.patch.object(cpu_worker, "CPUModelRunner", runner_class()):
             super().init_device()
 
     def compile_or_warm_up_model(self):
