@@ -7,11 +7,13 @@ settings; and a start-up the stages' agreement refuses."""
 
 from __future__ import annotations
 
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.serving.conftest import LAYOUTS, REFERENCE, REFUSED
+from tests.sppp_testbed.bases import only_from_0_34
 
 # Prompt lengths 1 (< TP), 3 and 11 (not divisible by TP), 44; every decode
 # step of a lone request dispatches a single token.
@@ -19,7 +21,10 @@ ALONE = ["a", "abc", "Hello world", "The quick brown fox jumps over the lazy dog
 # Sent at once: the scheduler mixes prefills with decodes of the others.
 TOGETHER = ["x" * 5, "Question: 2 + 3 = ?", "q", "0123456789" * 3, "Mixed batch."]
 MAX_TOKENS = 8
-COMPARED = [name for name, layout in LAYOUTS.items() if layout.arm]
+# Every layout that starts, against TP1xPP1.
+COMPARED = [
+    name for name, layout in LAYOUTS.items() if layout.starts and name != REFERENCE
+]
 
 
 def each(layouts: list[str]) -> list:
@@ -123,3 +128,29 @@ def test_each_layout_is_served_by_its_frontend(servers, name):
     fork of a process that imported vLLM without it."""
     launched = "Launching Rust frontend" in servers[name].log.read_text()
     assert launched == (LAYOUTS[name].frontend == "rust")
+
+
+def rank_count(args: list[str]) -> int:
+    sizes = {"-tp": 1, "-pp": 1}
+    for flag in sizes:
+        if flag in args:
+            sizes[flag] = int(args[args.index(flag) + 1])
+    return sizes["-tp"] * sizes["-pp"]
+
+
+@only_from_0_34("vLLM 0.34.0's servers run Model Runner V2; 0.33.0's the stand-in")
+@pytest.mark.parametrize("name", each(COMPARED))
+def test_every_rank_runs_vllms_model_runner_v2(servers, name):
+    """Each rank's model runner is vLLM's ``CPUModelRunner`` (Model Runner
+    V2, tests/serving/v2_runner.py): its own ``load_model`` logged the load,
+    and the model it built runs sequence parallel exactly where the layout
+    asks for it."""
+    args = LAYOUTS[name].args
+    log = servers[name].log.read_text()
+    loads = re.findall(
+        r"\((Worker\S*) pid=\d+\).*\[model_runner\.py:\d+\] Model loading", log
+    )
+    built = re.findall(r"V2 runner: PP stage \d+, .*sequence parallel: (\w+)", log)
+    assert len(set(loads)) == rank_count(args), loads
+    sp = "deep_gemm_mega_moe" in args
+    assert built == [str(sp)] * rank_count(args)

@@ -343,6 +343,16 @@ class Worker(cpu_worker.CPUWorker):
         with mock.patch.object(cpu_worker, "CPUModelRunner", runner_class()):
             super().init_device()
 
+    def determine_available_memory(self) -> int:
+        # The GPU worker profiles before it sizes the KV cache: a dummy run
+        # of the whole token budget (later stages hand the model their full
+        # receive buffers, which an SP model narrows), then a dummy sampler
+        # run. CPUWorker skips it with --enforce-eager and an explicit KV
+        # cache size; the V2 runner runs it here as on a GPU node.
+        if not HAS_LEGACY_RUNNER:
+            self.model_runner.profile_run()
+        return super().determine_available_memory()
+
     def compile_or_warm_up_model(self):
         # GPU kernels' JIT warm-ups import Triton CUDA code: nothing to warm.
         with mock.patch.object(gpu_worker, "kernel_warmup", lambda worker: None):
