@@ -194,7 +194,7 @@ class Server:
                 os.killpg(self.process.pid, 9)
                 self.process.wait()
 
-    def post(self, endpoint: str, **fields) -> dict:
+    def post(self, endpoint: str, timeout: float = 120, **fields) -> dict:
         body = json.dumps(
             {
                 "model": self.model,
@@ -208,7 +208,7 @@ class Server:
             self.url + endpoint, body, {"Content-Type": "application/json"}
         )
         try:
-            with urllib.request.urlopen(request, timeout=120) as response:
+            with urllib.request.urlopen(request, timeout=timeout) as response:
                 return json.load(response)
         except urllib.error.HTTPError as error:
             raise RuntimeError(
@@ -222,9 +222,11 @@ class Server:
         found = [line for line in lines if "rror" in line or "what():" in line]
         return [line[:400] for line in found[-limit:]]
 
-    def complete(self, prompt: str, max_tokens: int) -> str:
+    def complete(self, prompt: str, max_tokens: int, timeout: float = 120) -> str:
         """Greedy text through ``/v1/completions``."""
-        answer = self.post("/v1/completions", prompt=prompt, max_tokens=max_tokens)
+        answer = self.post(
+            "/v1/completions", timeout, prompt=prompt, max_tokens=max_tokens
+        )
         return answer["choices"][0]["text"]
 
     def chat(self, content: str, max_tokens: int) -> str:

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serving.conftest import LAYOUTS, REFERENCE, REFUSED
+from tests.serving.conftest import LAYOUTS, REFERENCE, REFUSED, SP_PP3
+from tests.serving.worker import EXTRA_ROW_MARK
 from tests.sppp_testbed.bases import only_from_0_34
 
 # Prompt lengths 1 (< TP), 3 and 11 (not divisible by TP), 44; every decode
@@ -154,3 +155,23 @@ def test_every_rank_runs_vllms_model_runner_v2(servers, name):
     assert len(set(loads)) == rank_count(args), loads
     sp = "deep_gemm_mega_moe" in args
     assert built == [str(sp)] * rank_count(args)
+
+
+# Last in this file: the refusal stops the TP2xPP3 server's engine.
+@only_from_0_34("the row check of vLLM 0.34.0's V2 runner in a server")
+@pytest.mark.layouts(SP_PP3)
+def test_runner_refuses_a_hand_off_of_other_rows_before_the_copy(servers):
+    """Stage 0 hands on a row more than its shard (3 rows for a step of 3
+    tokens at TP2, whose shard is 2) for a prompt that begins with
+    ``EXTRA_ROW_MARK``: stage 1's runner refuses the hand-off before it
+    copies a row, naming both counts, and the request gets no completion
+    instead of one made of the rows. (A refusal on a middle stage leaves the
+    request unanswered: the last stage waits for a send that never comes.)"""
+    server = servers[SP_PP3]
+    with pytest.raises((RuntimeError, TimeoutError)):
+        server.complete(EXTRA_ROW_MARK + "bc", 2, timeout=30)
+    refusal = (
+        "Received PP intermediate tensors of 3 rows for a step of 3 tokens "
+        "where this stage expects 2"
+    )
+    assert refusal in server.log.read_text()

@@ -33,9 +33,12 @@ What is stood in, below the runner:
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import nn
 
+from tests.serving.worker import EXTRA_ROW_MARK, STAGE0_EXTRA_ROW, STAGE1_MOE_BACKEND
 from tests.sppp_testbed import tiny_k3, v2_kernel_standins
 from vllm.config import replace
 from vllm.distributed import get_tensor_model_parallel_rank
@@ -44,6 +47,7 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.linear import RowParallelLinear
+from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import FullAttentionSpec
 from vllm.v1.worker.cpu.model_runner import CPUModelRunner
@@ -200,11 +204,29 @@ class V2Runner(CPUModelRunner):
         vllm_config.model_config.dtype = tiny_k3.DTYPE
         super().__init__(vllm_config, device)
 
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        output = super().execute_model(scheduler_output, *args, **kwargs)
+        if os.environ.get(STAGE0_EXTRA_ROW) and isinstance(output, IntermediateTensors):
+            output = self.planted_extra_row(scheduler_output, output)
+        return output
+
+    def planted_extra_row(self, scheduler_output, output):
+        """The first stage's output with its last row once more, in steps
+        that run a request whose prompt begins with ``EXTRA_ROW_MARK``."""
+        marked = self.__dict__.setdefault("marked_requests", set())
+        mark = ord(EXTRA_ROW_MARK)
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.prompt_token_ids and new.prompt_token_ids[0] == mark:
+                marked.add(new.req_id)
+        if not get_pp_group().is_first_rank or not marked.intersection(
+            scheduler_output.num_scheduled_tokens
+        ):
+            return output
+        return IntermediateTensors(
+            {k: torch.cat([v, v[-1:]]) for k, v in output.tensors.items()}
+        )
+
     def load_model(self, load_dummy_weights: bool = False, *args, **kwargs):
-        import os
-
-        from tests.serving.worker import STAGE1_MOE_BACKEND
-
         pp = get_pp_group()
         backend = os.environ.get(STAGE1_MOE_BACKEND)
         if backend and pp.rank_in_group == 1:

@@ -49,6 +49,12 @@ logger = init_logger(__name__)
 # Read by this stand-in only: stage 1 builds its model with this MoE backend,
 # as a node started with another --kernel-config would.
 STAGE1_MOE_BACKEND = "K3_SPPP_TEST_STAGE1_MOE_BACKEND"
+# Read by the V2 runner (tests/serving/v2_runner.py) only: set, the first PP
+# stage hands on one row more than its output in every step that runs a
+# request whose prompt begins with EXTRA_ROW_MARK, as a sender that padded
+# the batch another way would; the receiving runner must refuse it.
+STAGE0_EXTRA_ROW = "K3_SPPP_TEST_STAGE0_EXTRA_ROW"
+EXTRA_ROW_MARK = "\x02"
 SEED = 0
 OUTPUT_FIELDS = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
