@@ -38,7 +38,12 @@ import os
 import torch
 from torch import nn
 
-from tests.serving.worker import EXTRA_ROW_MARK, STAGE0_EXTRA_ROW, STAGE1_MOE_BACKEND
+from tests.serving.worker import (
+    EXTRA_ROW_MARK,
+    SEED,
+    STAGE0_EXTRA_ROW,
+    STAGE1_MOE_BACKEND,
+)
 from tests.sppp_testbed import tiny_k3, v2_kernel_standins
 from vllm.config import replace
 from vllm.distributed import get_tensor_model_parallel_rank
@@ -55,7 +60,6 @@ from vllm.v1.worker.cpu.model_runner import CPUModelRunner
 # Under the "vllm" logger, whose handlers print in the servers.
 logger = init_logger(f"vllm.{__name__}")
 
-SEED = 0
 ATTENTION_CLASSES = (
     "KimiK3DeltaAttention",
     "KimiLinearGatedDeltaNetAttention",
