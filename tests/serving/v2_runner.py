@@ -122,10 +122,10 @@ class PagedPrefixMixer(nn.Module, AttentionLayerBase):
         )
 
     def slots(self) -> torch.Tensor:
-        """The cache as one row of ``hidden`` values per slot."""
-        cache = self.kv_cache
-        num_blocks = cache.shape[0]
-        return cache.reshape(num_blocks, -1, self.hidden)
+        """The K half of each slot, ``(blocks, block size, hidden)``: vLLM
+        binds a full-attention layer's cache as ``[blocks, heads, block
+        size, K|V]``, here one head."""
+        return self.kv_cache[:, 0, :, : self.hidden]
 
     def mix(self, values: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         count = positions.to(values.dtype) + 1
@@ -136,7 +136,7 @@ class PagedPrefixMixer(nn.Module, AttentionLayerBase):
         common = metadata[self.layer_name]
         num_tokens = common.num_actual_tokens
         slots = self.slots()
-        size = slots.shape[1] // 2  # the spec's K and V halves: K holds values
+        size = slots.shape[1]
         slot_mapping = common.slot_mapping[:num_tokens]
         written = slot_mapping >= 0
         where = slot_mapping[written]
