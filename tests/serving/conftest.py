@@ -17,9 +17,10 @@ import pytest
 
 from tests.serving import preloaded_vllm
 from tests.serving.server import OFFLINE, Server, serve_env, write_model_dir
-from tests.serving.worker import STAGE1_MOE_BACKEND
+from tests.serving.worker import STAGE0_EXTRA_ROW, STAGE1_MOE_BACKEND
 
 TP2PP2 = ["-tp", "2", "-pp", "2", "--enable-expert-parallel"]
+TP2PP3 = ["-tp", "2", "-pp", "3", "--enable-expert-parallel"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,15 @@ LAYOUTS = {
         "python",
         "fi-ep",
     ),
+    # Three stages: a middle stage receives shards and hands them on. Its
+    # stage 0 hands on a row too many for a prompt that begins with
+    # EXTRA_ROW_MARK (the last test of test_serve_parity.py sends one).
+    "TP2xPP3 SP (MegaMoE, EP)": Layout(
+        [*TP2PP3, "--moe-backend", "deep_gemm_mega_moe"],
+        "python",
+        None,
+        env={STAGE0_EXTRA_ROW: "1"},
+    ),
     # Stage 1 builds its model with another MoE backend, as a node started
     # with other flags would.
     "TP2xPP2 SP, stage 1 triton": Layout(
@@ -62,6 +72,7 @@ LAYOUTS = {
 REFERENCE = "TP1xPP1"
 SP = "TP2xPP2 SP (MegaMoE, EP)"
 REPLICATED = "TP2xPP2 replicated (triton, EP)"
+SP_PP3 = "TP2xPP3 SP (MegaMoE, EP)"
 REFUSED = "TP2xPP2 SP, stage 1 triton"
 
 

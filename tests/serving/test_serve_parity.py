@@ -7,11 +7,17 @@ settings; and a start-up the stages' agreement refuses."""
 
 from __future__ import annotations
 
+import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 
-from tests.serving.conftest import LAYOUTS, REFERENCE, REFUSED
+from tests.serving.conftest import LAYOUTS, REFERENCE, REFUSED, SP_PP3, free_port
+from tests.serving.worker import EXTRA_ROW_MARK
+from tests.sppp_testbed.bases import only_from_0_34
 
 # Prompt lengths 1 (< TP), 3 and 11 (not divisible by TP), 44; every decode
 # step of a lone request dispatches a single token.
@@ -19,7 +25,10 @@ ALONE = ["a", "abc", "Hello world", "The quick brown fox jumps over the lazy dog
 # Sent at once: the scheduler mixes prefills with decodes of the others.
 TOGETHER = ["x" * 5, "Question: 2 + 3 = ?", "q", "0123456789" * 3, "Mixed batch."]
 MAX_TOKENS = 8
-COMPARED = [name for name, layout in LAYOUTS.items() if layout.arm]
+# Every layout that starts, against TP1xPP1.
+COMPARED = [
+    name for name, layout in LAYOUTS.items() if layout.starts and name != REFERENCE
+]
 
 
 def each(layouts: list[str]) -> list:
@@ -123,3 +132,124 @@ def test_each_layout_is_served_by_its_frontend(servers, name):
     fork of a process that imported vLLM without it."""
     launched = "Launching Rust frontend" in servers[name].log.read_text()
     assert launched == (LAYOUTS[name].frontend == "rust")
+
+
+def rank_count(args: list[str]) -> int:
+    sizes = {"-tp": 1, "-pp": 1}
+    for flag in sizes:
+        if flag in args:
+            sizes[flag] = int(args[args.index(flag) + 1])
+    return sizes["-tp"] * sizes["-pp"]
+
+
+@only_from_0_34("vLLM 0.34.0's servers run Model Runner V2; 0.33.0's the stand-in")
+@pytest.mark.parametrize("name", each(COMPARED))
+def test_every_rank_runs_vllms_model_runner_v2(servers, name):
+    """Each rank's model runner is vLLM's ``CPUModelRunner`` (Model Runner
+    V2, tests/serving/v2_runner.py): its own ``load_model`` logged the load,
+    and the model it built runs sequence parallel exactly where the layout
+    asks for it."""
+    args = LAYOUTS[name].args
+    log = servers[name].log.read_text()
+    loads = re.findall(
+        r"\((Worker\S*) pid=\d+\).*\[model_runner\.py:\d+\] Model loading", log
+    )
+    built = re.findall(r"V2 runner: PP stage \d+, .*sequence parallel: (\w+)", log)
+    assert len(set(loads)) == rank_count(args), loads
+    sp = "deep_gemm_mega_moe" in args
+    assert built == [str(sp)] * rank_count(args)
+
+
+@pytest.fixture(scope="module")
+def recomputed():
+    """Greedy completions of the tiny K3 with no runner, no KV cache and no
+    stand-in kernel: the test bed's model (attention over the whole
+    sequence, ``tiny_k3.SequenceMixer``) recomputed over each prompt and
+    every token generated so far, in a one-rank gloo world of this process,
+    with the servers' seed and LM head."""
+    from tests.serving.worker import SEED
+    from tests.sppp_testbed import tiny_k3
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import (
+        init_distributed_environment,
+        initialize_model_parallel,
+        model_parallel_is_initialized,
+    )
+
+    if not model_parallel_is_initialized():
+        with set_current_vllm_config(VllmConfig()):
+            init_distributed_environment(
+                world_size=1,
+                rank=0,
+                local_rank=0,
+                distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
+                backend="gloo",
+            )
+            initialize_model_parallel(1, 1)
+    config = tiny_k3.scenario_config(1, 1, sp=False)
+    dtype = torch.get_default_dtype()
+    with set_current_vllm_config(config), tiny_k3.stand_ins(), torch.no_grad():
+        try:
+            model = tiny_k3.build_model(config, SEED)
+        finally:
+            torch.set_default_dtype(dtype)
+        lm_head = tiny_k3.full_weight(
+            "lm_head.weight", (tiny_k3.VOCAB, tiny_k3.HIDDEN), SEED
+        )
+
+        def complete(prompt: str) -> str:
+            ids = [ord(c) for c in prompt]  # the tests' character tokenizer
+            for _ in range(MAX_TOKENS):
+                hidden = model(torch.tensor(ids), torch.arange(len(ids)), None)
+                ids.append(int(torch.argmax((hidden[-1] @ lm_head.T).float())))
+            return "".join(map(chr, ids[len(prompt) :]))
+
+        return {prompt: complete(prompt) for prompt in ALONE + TOGETHER}
+
+
+@only_from_0_34("vLLM 0.34.0's servers run Model Runner V2; 0.33.0's the stand-in")
+@pytest.mark.layouts(REFERENCE)
+def test_v2_runner_answers_as_the_model_recomputed_over_each_sequence(
+    completions, recomputed
+):
+    """TP1xPP1 through vLLM's V2 runner (its input batch, block tables, slot
+    mappings and sampler on the stand-in kernels, attention reading each
+    request's history from the paged KV cache, prefills mixed with decodes)
+    gives the tokens of the model recomputed without any of them: parity
+    with TP1xPP1 is then parity with the model, not with a shared mistake."""
+    served = completions(REFERENCE)["completions"]
+    print("\nTP1xPP1 through the V2 runner, against the recomputed model:")
+    print(parity_table(recomputed, served))
+    assert served == recomputed
+
+
+# Last in this file: the refusal stops the TP2xPP3 server's engine.
+@only_from_0_34("the row check of vLLM 0.34.0's V2 runner in a server")
+@pytest.mark.layouts(SP_PP3)
+def test_runner_refuses_a_hand_off_of_other_rows_before_the_copy(servers):
+    """Stage 0 hands on a row more than its shard (3 rows for a step of 3
+    tokens at TP2, whose shard is 2) for a prompt that begins with
+    ``EXTRA_ROW_MARK``: stage 1's runner refuses the hand-off before it
+    copies a row, naming both counts, and the request gets no completion
+    instead of one made of the rows. (A refusal on a middle stage leaves the
+    request unanswered: the last stage waits for a send that never comes.)"""
+    server = servers[SP_PP3]
+    answers: list[object] = []
+
+    def ask() -> None:
+        try:
+            answers.append(server.complete(EXTRA_ROW_MARK + "bc", 2, timeout=60))
+        except (RuntimeError, OSError) as error:  # HTTP 500, or no answer
+            answers.append(error)
+
+    threading.Thread(target=ask, daemon=True).start()
+    refusal = (
+        "Received PP intermediate tensors of 3 rows for a step of 3 tokens "
+        "where this stage expects 2"
+    )
+    deadline = time.monotonic() + 60
+    while refusal not in server.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert refusal in server.log.read_text()
+    time.sleep(1)
+    assert not any(isinstance(answer, str) for answer in answers), answers

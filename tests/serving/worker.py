@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from tests.sppp_testbed import tiny_k3
+from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 from vllm.config import replace
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.parallel_state import get_pp_group
@@ -48,6 +49,12 @@ logger = init_logger(__name__)
 # Read by this stand-in only: stage 1 builds its model with this MoE backend,
 # as a node started with another --kernel-config would.
 STAGE1_MOE_BACKEND = "K3_SPPP_TEST_STAGE1_MOE_BACKEND"
+# Read by the V2 runner (tests/serving/v2_runner.py) only: set, the first PP
+# stage hands on one row more than its output in every step that runs a
+# request whose prompt begins with EXTRA_ROW_MARK, as a sender that padded
+# the batch another way would; the receiving runner must refuse it.
+STAGE0_EXTRA_ROW = "K3_SPPP_TEST_STAGE0_EXTRA_ROW"
+EXTRA_ROW_MARK = "\x02"
 SEED = 0
 OUTPUT_FIELDS = {f.name for f in dataclasses.fields(ModelRunnerOutput)}
 
@@ -294,6 +301,17 @@ class StandInModelRunner:
         self.stack.close()
 
 
+def runner_class() -> type:
+    """vLLM's own Model Runner V2 (``CPUModelRunner``) with the tiny K3 on
+    vLLM 0.34.0 (:mod:`tests.serving.v2_runner`); on 0.33.0, whose servers
+    run the legacy runner path, the stand-in runner."""
+    if HAS_LEGACY_RUNNER:
+        return StandInModelRunner
+    from tests.serving.v2_runner import V2Runner
+
+    return V2Runner
+
+
 class Worker(cpu_worker.CPUWorker):
     """vLLM's CPU worker with the stand-in runner, warming up as the GPU
     worker does (``CPUWorker`` overrides ``compile_or_warm_up_model`` with
@@ -328,8 +346,18 @@ class Worker(cpu_worker.CPUWorker):
         self.parallel_config.disable_custom_all_reduce = True
 
     def init_device(self) -> None:
-        with mock.patch.object(cpu_worker, "CPUModelRunner", StandInModelRunner):
+        with mock.patch.object(cpu_worker, "CPUModelRunner", runner_class()):
             super().init_device()
+
+    def determine_available_memory(self) -> int:
+        # The GPU worker profiles before it sizes the KV cache: a dummy run
+        # of the whole token budget (later stages hand the model their full
+        # receive buffers, which an SP model narrows), then a dummy sampler
+        # run. CPUWorker skips it with --enforce-eager and an explicit KV
+        # cache size; the V2 runner runs it here as on a GPU node.
+        if not HAS_LEGACY_RUNNER:
+            self.model_runner.profile_run()
+        return super().determine_available_memory()
 
     def compile_or_warm_up_model(self):
         # GPU kernels' JIT warm-ups import Triton CUDA code: nothing to warm.
