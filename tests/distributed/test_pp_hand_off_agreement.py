@@ -392,6 +392,39 @@ def test_v2_lora_graphs_pad_batches_with_and_without_loras(pool):
     assert_started_everywhere(run_stages(pool, specialized, lora))
 
 
+@only_from_0_34("the V2 manager's LoRA cases, which pad every LoRA count alike")
+@topologies((2, 2))
+def test_v2_a_later_stage_that_pads_only_batches_with_loras_is_refused(pool):
+    """A V2 stage without LoRA has no graph for a batch with LoRAs and runs
+    it as it comes; a later stage with --max-loras 1 pads it (its one count
+    maps to a captured LoRA case), while batches without LoRA pad alike:
+    the check asks for the one LoRA count there is."""
+    v2 = dataclasses.replace(NO_SP, runner="v2")
+    assert_refused_everywhere(
+        run_stages(pool, v2, dataclasses.replace(v2, max_loras=1)),
+        "batch_padding: a batch of 3 tokens (a uniform decode of 1 per "
+        "request, 1 LoRA(s)) is dispatched as 3 tokens on stage 0, which "
+        "sends 3 rows, and as 4 on stage 1, which expects at least 4",
+    )
+
+
+@topologies((2, 2))
+def test_batches_just_below_the_largest_graph_are_compared(pool):
+    """Stage 0 also captured 7 tokens, stage 1 pads 7 to its graph of 8:
+    every other batch pads alike, so only the batch one below the largest
+    capture size of all stages shows the difference."""
+    assert_refused_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(NO_SP, capture_sizes=(1, 2, 4, 6, 7, 8)),
+            dataclasses.replace(NO_SP, capture_sizes=(1, 2, 4, 6, 8)),
+        ),
+        "batch_padding: a batch of 7 tokens (a uniform decode of 1 per request) "
+        "is dispatched as 7 tokens on stage 0, which sends 7 rows, and as 8 on "
+        "stage 1, which expects at least 8",
+    )
+
+
 @topologies((2, 2))
 def test_refusals_name_the_kind_of_batch_that_pads_differently(pool):
     """Piecewise graphs pad batches with a prefill; the V2 runner's varlen
@@ -426,6 +459,22 @@ def test_a_runner_without_graph_dispatch_pads_nothing(pool):
     assert_refused_everywhere(
         run_stages(pool, bare, NO_SP),
         PADS_3_TO_4,
+    )
+
+
+@topologies((2, 2))
+def test_a_runner_without_graph_dispatch_warms_up_at_one_token_per_decode(pool):
+    """Without a graph manager a stage's decode query length is 1 + draft
+    tokens, as the V2 runner's without a drafter: beside an eager V2 stage
+    it runs the same JIT warm-up steps and starts (their modes shown)."""
+    jit = dataclasses.replace(NO_SP, enable_jit_warmup=True)
+    assert_started_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(jit, runner="none"),
+            dataclasses.replace(jit, runner="v2", enforce_eager=True),
+        ),
+        "differ in cudagraph_mode",
     )
 
 

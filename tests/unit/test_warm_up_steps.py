@@ -8,6 +8,7 @@ blocks, taken alike on every rank, are left wide open."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import types
 
@@ -18,6 +19,10 @@ from tests.sppp_testbed.tiny_k3 import scenario_config
 from vllm.utils.math_utils import cdiv
 from vllm.v1.worker.gpu import warmup
 from vllm.v1.worker.pp_hand_off_agreement import warm_up_steps
+
+# What warm_up_steps and vLLM's warm-up read of a --speculative-config: the
+# KV slots each request keeps for its drafts.
+SPEC = types.SimpleNamespace(max_num_new_slots_for_drafting=3)
 
 # Around the budgets, the 3-token floor of a step, and model lengths whose
 # context fills the MLA workspace in whole requests.
@@ -41,7 +46,7 @@ def recorded_steps(config, monkeypatch):
     monkeypatch.setattr(warmup, "_warmup_token_ids", lambda r, n: [0] * n)
     monkeypatch.setattr(torch.accelerator, "synchronize", lambda *args: None)
 
-    def run(decode_query_len: int) -> list[tuple[int, ...]]:
+    def run(decode_query_len: int, num_spec_steps: int = 0) -> list[tuple[int, ...]]:
         steps: list[tuple[int, ...]] = []
 
         def execute_model(scheduler_output) -> None:
@@ -53,8 +58,13 @@ def recorded_steps(config, monkeypatch):
             ):
                 steps.append(tuple(scheduler_output.num_scheduled_tokens.values()))
 
+        runner = _runner(config, decode_query_len)
+        if num_spec_steps:
+            runner.speculative_config = config.speculative_config
+            runner.num_speculative_steps = num_spec_steps
+            runner.adaptive_verification = runner.rejection_sampler = None
         warmup.run_kv_cache_sizing_warmup(
-            _runner(config, decode_query_len),
+            runner,
             execute_model,
             lambda grammar_output: None,
         )
@@ -138,3 +148,79 @@ def test_kernel_warm_up_requests_are_vllms_own_cap(config):
         assert warm_up_steps(config, decode_query_len) == {
             "kernel_warm_up": (1, want, decode_query_len)
         }
+
+
+@contextlib.contextmanager
+def speculative(config, spec=SPEC):
+    saved = config.speculative_config
+    object.__setattr__(config, "speculative_config", spec)
+    try:
+        yield
+    finally:
+        object.__setattr__(config, "speculative_config", saved)
+
+
+@pytest.mark.parametrize("use_mla", [True, False], ids=["mla", "no-mla"])
+def test_sizing_steps_with_spec_decode_are_what_warm_up_steps_says(
+    config, recorded_steps, use_mla
+):
+    """With spec decode the decode request verifies a full set of drafts
+    (2 draft tokens: 3 tokens), and every request keeps its draft slots
+    out of the budget."""
+    config.cache_config.enable_extensible_kv_cache = True
+    config.kernel_config.enable_jit_warmup = False
+    config.model_config.use_mla = use_mla
+    config.model_config.max_logprobs = 20
+    with speculative(config):
+        for max_model_len, max_num_seqs, budget in itertools.product(
+            (4, 64, 129, 200, 1026), (1, 2, 8, 128), BUDGETS
+        ):
+            config.model_config.max_model_len = max_model_len
+            config.scheduler_config.max_num_seqs = max_num_seqs
+            config.scheduler_config.max_num_batched_tokens = budget
+            predicted = warm_up_steps(config, 3)["kv_cache_sizing"]
+            steps = recorded_steps(3, num_spec_steps=2)
+            assert [step for step in predicted if step] == steps, (
+                max_model_len,
+                max_num_seqs,
+                budget,
+            )
+
+
+def test_kernel_warm_up_with_spec_decode_is_two_passes_of_vllms_cap(
+    config, monkeypatch
+):
+    """With spec decode vLLM's kernel warm-up runs a second, greedy pass,
+    and caps its requests by their draft slots too."""
+    passes: list[bool] = []
+    monkeypatch.setattr(
+        warmup,
+        "_warmup_kernels",
+        lambda runner, execute, sample, greedy=False: passes.append(greedy),
+    )
+    monkeypatch.setattr(
+        warmup, "_fixed_draft_counts", lambda runner: contextlib.nullcontext()
+    )
+    config.cache_config.enable_extensible_kv_cache = False
+    config.kernel_config.enable_jit_warmup = True
+    with speculative(config):
+        for max_num_seqs, budget, decode_query_len in itertools.product(
+            MAX_NUM_SEQS, BUDGETS, (2, 4)
+        ):
+            config.scheduler_config.max_num_seqs = max_num_seqs
+            config.scheduler_config.max_num_batched_tokens = budget
+            runner = types.SimpleNamespace(
+                speculative_config=SPEC,
+                max_num_tokens=budget,
+                adaptive_verification=None,
+                speculator=None,
+            )
+            passes.clear()
+            warmup.warmup_kernels(runner, None, None)
+            want = warmup._cap_num_warmup_reqs(
+                runner, max_num_seqs, decode_query_len + 1
+            )
+            assert warm_up_steps(config, decode_query_len) == {
+                "kernel_warm_up": (len(passes), want, decode_query_len)
+            }
+    assert passes == [False, True]
