@@ -462,6 +462,7 @@ def test_a_runner_without_graph_dispatch_pads_nothing(pool):
     )
 
 
+@only_from_0_34("the warm-up steps stated from the runner's decode query length")
 @topologies((2, 2))
 def test_a_runner_without_graph_dispatch_warms_up_at_one_token_per_decode(pool):
     """Without a graph manager a stage's decode query length is 1 + draft
