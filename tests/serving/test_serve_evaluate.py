@@ -24,6 +24,7 @@ from eval import bench, evaluate, gsm8k
 from tests.eval.test_bench import RESULT_KEYS
 from tests.serving.conftest import LAYOUTS, REPLICATED, SP
 from tests.serving.server import OFFLINE
+from tests.sppp_testbed.bases import VLLM_VERSION
 
 GSM8K_DATA = Path(__file__).resolve().parents[1] / "eval" / "data" / "gsm8k"
 LIMIT = 2
@@ -163,10 +164,15 @@ def test_make_evaluate_against_the_real_server(evaluations, model_dir, capsys, l
     assert decode["total_output_tokens"] == DECODE.num_prompts * DECODE.output_len
     # Every metric the report reads is a key the real client writes.
     assert set(bench.DECODE_METRICS) <= decode.keys()
-    # A decode step through two stages of CPU ranks takes far longer than a
-    # millisecond (about 170 ms): a client that saw the tokens in one chunk,
-    # or timed chunks it had already received, would report about 0.
-    assert decode["mean_tpot_ms"] >= 1.0 and decode["mean_itl_ms"] >= 1.0
+    # A decode step through two stages of vLLM 0.34.0's V2 runner on CPU
+    # ranks takes far longer than a millisecond (about 170 ms): a client that
+    # saw the tokens in one chunk, or timed chunks it had already received,
+    # would report about 0. 0.33.0's stand-in runner steps so fast that a
+    # frontend hands a client slowed by a loaded host several steps' tokens
+    # in one chunk (a mean TPOT of 0.004 ms, seen in CI): there only a time
+    # is asked for.
+    floor_ms = 1.0 if VLLM_VERSION >= (0, 34, 0) else 0.0
+    assert min(decode["mean_tpot_ms"], decode["mean_itl_ms"]) > floor_ms, decode
     assert len(decode["latencies"]) == DECODE.num_prompts
 
     # What the server said about prefix caching, from its own counters.
