@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,12 +51,24 @@ def run_check(
     n: int, k: int, tp: int = 2, producer: bool = False
 ) -> list[BaseException | None]:
     """``check_gather`` on every rank; what each rank raised, if anything."""
+    return on_thread_ranks(
+        tp,
+        lambda rank, gather: check_gather(
+            n, k, HIDDEN, tp, rank, gather, producer=producer
+        ),
+    )
+
+
+def on_thread_ranks(
+    tp: int, check: Callable[[int, Callable], None]
+) -> list[BaseException | None]:
+    """``check(rank, gather)`` on ``tp`` thread ranks sharing one fake
+    all-gather; what each raised."""
     fake, raised = ThreadGather(tp), [None] * tp
 
     def rank_main(rank: int) -> None:
         try:
-            gather = fake.for_rank(rank)
-            check_gather(n, k, HIDDEN, tp, rank, gather, producer=producer)
+            check(rank, fake.for_rank(rank))
         except BaseException as error:  # noqa: BLE001 - reported to the test
             raised[rank] = error
 
@@ -143,20 +156,10 @@ def run_handoff_check(
     n: int, tp: int = 2, hidden: int = HIDDEN
 ) -> list[BaseException | None]:
     """``check_handoff`` on every TP rank (threads); what each raised."""
-    fake, raised = ThreadGather(tp), [None] * tp
-
-    def rank_main(rank: int) -> None:
-        try:
-            nccl_bench.check_handoff(n, hidden, tp, rank, fake.for_rank(rank))
-        except BaseException as error:  # noqa: BLE001 - reported to the test
-            raised[rank] = error
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(tp)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    return raised
+    return on_thread_ranks(
+        tp,
+        lambda rank, gather: nccl_bench.check_handoff(n, hidden, tp, rank, gather),
+    )
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 17, 64])

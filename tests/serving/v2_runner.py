@@ -42,10 +42,9 @@ from tests.serving.worker import (
     EXTRA_ROW_MARK,
     SEED,
     STAGE0_EXTRA_ROW,
-    STAGE1_MOE_BACKEND,
+    served_tiny_k3_config,
 )
 from tests.sppp_testbed import tiny_k3, v2_kernel_standins
-from vllm.config import replace
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.forward_context import get_forward_context
@@ -232,16 +231,7 @@ class V2Runner(CPUModelRunner):
 
     def load_model(self, load_dummy_weights: bool = False, *args, **kwargs):
         pp = get_pp_group()
-        backend = os.environ.get(STAGE1_MOE_BACKEND)
-        if backend and pp.rank_in_group == 1:
-            self.vllm_config.kernel_config.moe_backend = backend
-        config = tiny_k3.scenario_config(1, 1, sp=False)
-        for served in ("parallel_config", "kernel_config", "scheduler_config"):
-            object.__setattr__(config, served, getattr(self.vllm_config, served))
-        compilation = replace(
-            config.compilation_config, mode=self.vllm_config.compilation_config.mode
-        )
-        object.__setattr__(config, "compilation_config", compilation)
+        config = served_tiny_k3_config(self.vllm_config)
         self._stand_ins = tiny_k3.stand_ins()
         self._stand_ins.__enter__()
         for name in ATTENTION_CLASSES:

@@ -30,7 +30,7 @@ from torch import nn
 
 from tests.sppp_testbed import tiny_k3
 from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
-from vllm.config import replace
+from vllm.config import VllmConfig, replace
 from vllm.distributed import get_tensor_model_parallel_rank
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
@@ -128,6 +128,23 @@ class RequestMixer(nn.Module):
         return output
 
 
+def served_tiny_k3_config(vllm_config: VllmConfig) -> VllmConfig:
+    """The tiny K3's config with the served options: parallel sizes, EP, MoE
+    backend (stage 1's from ``STAGE1_MOE_BACKEND`` where set: the refused
+    start-up), the token budget MegaMoE's buffer is sized for, and the
+    compilation mode (``--enforce-eager`` compiles nothing)."""
+    backend = os.environ.get(STAGE1_MOE_BACKEND)
+    if backend and get_pp_group().rank_in_group == 1:
+        vllm_config.kernel_config.moe_backend = backend
+    config = tiny_k3.scenario_config(1, 1, sp=False)
+    for served in ("parallel_config", "kernel_config", "scheduler_config"):
+        object.__setattr__(config, served, getattr(vllm_config, served))
+    served_mode = vllm_config.compilation_config.mode
+    compilation = replace(config.compilation_config, mode=served_mode)
+    object.__setattr__(config, "compilation_config", compilation)
+    return config
+
+
 class StandInModelRunner:
     """Runs the tiny K3 for the scheduler's steps and samples greedily."""
 
@@ -147,18 +164,7 @@ class StandInModelRunner:
 
     def load_model(self, load_dummy_weights: bool = False) -> None:
         pp = get_pp_group()
-        backend = os.environ.get(STAGE1_MOE_BACKEND)
-        if backend and pp.rank_in_group == 1:
-            self.vllm_config.kernel_config.moe_backend = backend
-        config = tiny_k3.scenario_config(1, 1, sp=False)
-        # The served options (parallel sizes, EP, MoE backend, the token
-        # budget MegaMoE's buffer is sized for, compilation mode:
-        # --enforce-eager compiles nothing), the tiny model.
-        for served in ("parallel_config", "kernel_config", "scheduler_config"):
-            object.__setattr__(config, served, getattr(self.vllm_config, served))
-        served_mode = self.vllm_config.compilation_config.mode
-        compilation = replace(config.compilation_config, mode=served_mode)
-        object.__setattr__(config, "compilation_config", compilation)
+        config = served_tiny_k3_config(self.vllm_config)
         self.stack.enter_context(tiny_k3.stand_ins())
         for name in (
             "KimiK3DeltaAttention",
