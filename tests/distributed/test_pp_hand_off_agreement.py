@@ -426,6 +426,76 @@ def test_batches_just_below_the_largest_graph_are_compared(pool):
 
 
 @topologies((2, 2))
+def test_with_sp_a_stage_whose_graphs_hold_fewer_requests_is_refused(pool):
+    """FULL graphs for every batch hold min(their tokens, --max-num-seqs)
+    requests. With 8 on the engine's node (stage 0) and 7 on the other, a
+    batch of 9 tokens from 8 requests pads to 16 on stage 0 and runs as it
+    comes on stage 1: shards of 8 rows sent, 5 expected. The other way round
+    stage 0's scheduler never sends 8 requests, and the stages start."""
+    full = dataclasses.replace(
+        SP, runner="v2", cudagraph_mode="FULL", capture_sizes=(1, 2, 4, 8, 16)
+    )
+    assert_refused_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(full, max_num_seqs=8),
+            dataclasses.replace(full, max_num_seqs=7),
+        ),
+        "batch_padding: a batch of 9 tokens (with a prefill, 8 requests) is "
+        "dispatched as 16 tokens on stage 0, which sends 8 rows, and as 9 on "
+        "stage 1, which expects 5",
+        "max_num_seqs: stage 0=8, stage 1=7",
+        "--max-num-seqs",
+    )
+    assert_started_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(full, max_num_seqs=7),
+            dataclasses.replace(full, max_num_seqs=8),
+        ),
+        "max_num_seqs: stage 0=7, stage 1=8",
+    )
+
+
+@topologies((2, 2))
+def test_batches_the_engine_never_schedules_are_not_compared(pool):
+    """Stage 0 runs on the engine's node, whose scheduler sends at most its
+    --max-num-seqs requests and --max-num-batched-tokens tokens: a later
+    stage whose decode graphs take more pads no batch that arrives, and
+    vLLM runs it. 9 requests of one token, or 9 tokens, never come here."""
+    v2 = dataclasses.replace(NO_SP, runner="v2", capture_sizes=(1, 2, 4, 8, 16))
+    assert_started_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(v2, max_num_seqs=8),
+            dataclasses.replace(v2, max_num_seqs=16),
+        ),
+        "max_num_seqs: stage 0=8, stage 1=16",
+    )
+    assert_started_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(
+                v2, capture_sizes=(1, 2, 4, 8), max_num_batched_tokens=8
+            ),
+            v2,
+        ),
+        "max_num_batched_tokens: stage 0=8, stage 1=127",
+    )
+    # Beyond the scheduler's limits nothing is left out: 9 requests arrive.
+    assert_refused_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(v2, max_num_seqs=9),
+            dataclasses.replace(v2, max_num_seqs=16),
+        ),
+        "batch_padding: a batch of 9 tokens (a uniform decode of 1 per request) "
+        "is dispatched as 9 tokens on stage 0, which sends 9 rows, and as 16 on "
+        "stage 1, which expects at least 16",
+    )
+
+
+@topologies((2, 2))
 def test_refusals_name_the_kind_of_batch_that_pads_differently(pool):
     """Piecewise graphs pad batches with a prefill; the V2 runner's varlen
     decode graphs pad decodes of mixed lengths, a batch that neither a
@@ -727,7 +797,8 @@ def test_stages_that_would_warm_up_differently_are_refused(pool, base):
     # stage runs warm-up steps: what would size them may differ.
     quiet = dataclasses.replace(v2, enable_jit_warmup=False)
     assert_started_everywhere(
-        run_stages(pool, quiet, dataclasses.replace(quiet, max_num_batched_tokens=255))
+        run_stages(pool, quiet, dataclasses.replace(quiet, max_num_batched_tokens=255)),
+        "max_num_batched_tokens: stage 0=",
     )
     if HAS_LEGACY_RUNNER:  # the legacy runner runs no JIT warm-up
         legacy = dataclasses.replace(base, runner="legacy", enable_jit_warmup=True)
@@ -840,15 +911,21 @@ def test_stages_whose_warm_up_steps_match_start_however_their_inputs_differ(pool
     jit = dataclasses.replace(base, runner="v2", enable_jit_warmup=True)
     few = dataclasses.replace(jit, max_num_seqs=8)
     kv = dataclasses.replace(base, runner="v2", enable_extensible_kv_cache=True)
-    for stages in (
-        (jit, dataclasses.replace(jit, max_num_seqs=256)),
-        (few, dataclasses.replace(few, max_num_batched_tokens=255)),
+    for stages, shown in (
+        ((jit, dataclasses.replace(jit, max_num_seqs=256)), ["max_num_seqs"]),
         (
-            dataclasses.replace(kv, max_model_len=200),
-            dataclasses.replace(kv, max_model_len=512),
+            (few, dataclasses.replace(few, max_num_batched_tokens=255)),
+            ["max_num_batched_tokens"],
+        ),
+        (
+            (
+                dataclasses.replace(kv, max_model_len=200),
+                dataclasses.replace(kv, max_model_len=512),
+            ),
+            [],
         ),
     ):
-        assert_started_everywhere(run_stages(pool, *stages))
+        assert_started_everywhere(run_stages(pool, *stages), *shown)
     # The same options where they change the steps: refused.
     assert_refused_everywhere(
         run_stages(pool, few, dataclasses.replace(few, max_num_seqs=9)),

@@ -31,6 +31,7 @@ from vllm.model_executor.models.interfaces import (
     get_pp_all_gather_overrides,
     get_pp_num_rows,
 )
+from vllm.utils.math_utils import cdiv
 from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from vllm.v1.worker.pp_intermediate_tensors import accepts_hand_off
@@ -70,6 +71,8 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "--compilation-config",
     ),
     "enforce_eager": ("--enforce-eager",),
+    "max_num_seqs": ("--max-num-seqs",),
+    "max_num_batched_tokens": ("--max-num-batched-tokens",),
     "moe_backend": ("--kernel-config",),
     "enable_expert_parallel": ("--enable-expert-parallel",),
     "aux_hidden_state_layers": (
@@ -88,6 +91,8 @@ SHOWN = (
     "cudagraph_mode",
     "cudagraph_capture_sizes",
     "enforce_eager",
+    "max_num_seqs",
+    "max_num_batched_tokens",
     "moe_backend",
     "enable_expert_parallel",
     "aux_hidden_state_layers",
@@ -108,17 +113,12 @@ class BatchShape:
     """A batch the scheduler hands every stage alike."""
 
     num_tokens: int
+    num_reqs: int
     # Tokens per request of a uniform decode batch.
     uniform_token_count: int | None = None
     # The longest request's tokens; None for a batch that holds a prefill.
     max_query_len: int | None = None
     num_active_loras: int = 0
-
-    @property
-    def num_reqs(self) -> int:
-        # Only uniform decode graphs constrain the request count; every
-        # other graph takes as many requests as it has tokens.
-        return self.num_tokens // (self.uniform_token_count or self.num_tokens)
 
     def __str__(self) -> str:
         if self.uniform_token_count is not None:
@@ -127,29 +127,52 @@ class BatchShape:
             kind = f"decodes of up to {self.max_query_len} tokens"
         else:
             kind = "with a prefill"
+        if self.uniform_token_count is None and self.num_reqs > cdiv(
+            self.num_tokens, self.max_query_len or self.num_tokens
+        ):
+            kind += f", {self.num_reqs} requests"
         loras = f", {self.num_active_loras} LoRA(s)" if self.num_active_loras else ""
         return f"a batch of {self.num_tokens} tokens ({kind}{loras})"
 
 
 def batch_shapes(
-    max_num_tokens: int, max_query_len: int, lora_counts: list[int]
+    max_num_tokens: int,
+    max_query_len: int,
+    lora_counts: list[int],
+    max_num_reqs: int,
+    graph_max_num_reqs: list[int],
 ) -> list[BatchShape]:
     """Every batch whose padding can differ between the stages: CUDA graphs
-    pad no batch above ``max_num_tokens``."""
+    pad no batch above ``max_num_tokens``, and the scheduler sends at most
+    ``max_num_reqs`` requests. A graph that bounds its requests holds
+    ``min(its tokens, its stage's max_num_seqs)``, at least as many tokens as
+    the batch: only a stage's limit (``graph_max_num_reqs``) decides whether
+    a batch's requests fit, so the fewest requests a batch can have and one
+    past each stage's limit stand for every request count."""
+
+    def request_counts(num_tokens: int, least: int) -> list[int]:
+        most = min(num_tokens, max_num_reqs)
+        past_limits = (limit + 1 for limit in graph_max_num_reqs)
+        return [n for n in (least, *past_limits) if least <= n <= most]
+
     return [
         shape
         for num_tokens in range(1, max_num_tokens + 1)
         for loras in lora_counts
         for shape in (
-            BatchShape(num_tokens, None, None, loras),
             *(
-                BatchShape(num_tokens, None, q, loras)
-                for q in range(1, max_query_len + 1)
+                BatchShape(num_tokens, n, None, None, loras)
+                for n in request_counts(num_tokens, 1)
             ),
             *(
-                BatchShape(num_tokens, q, q, loras)
+                BatchShape(num_tokens, n, None, q, loras)
                 for q in range(1, max_query_len + 1)
-                if num_tokens % q == 0
+                for n in request_counts(num_tokens, cdiv(num_tokens, q))
+            ),
+            *(
+                BatchShape(num_tokens, num_tokens // q, q, q, loras)
+                for q in range(1, max_query_len + 1)
+                if num_tokens % q == 0 and num_tokens // q <= max_num_reqs
             ),
         )
     ]
@@ -180,6 +203,14 @@ class RunnerPadding:
             compilation_config.max_cudagraph_capture_size or 0
             if self.cudagraph_mode
             else 0
+        )
+        scheduler_config = vllm_config.scheduler_config
+        # The most requests its graphs hold; on stage 0's node, which runs
+        # the engine, also what its scheduler sends at most, with the tokens.
+        self.max_num_reqs = scheduler_config.max_num_seqs
+        self.max_scheduled_tokens = (
+            scheduler_config.max_num_scheduled_tokens
+            or scheduler_config.max_num_batched_tokens
         )
         lora_config = vllm_config.lora_config
         self.lora_counts = [0] + (
@@ -281,16 +312,20 @@ def pp_hand_off_settings(
             0 if pp_group.is_first_rank else bisect_right(layers, start)
         ),
         "aux_slots_sent": 0 if pp_group.is_last_rank else bisect_right(layers, end),
-        "batch_shapes": (
-            padding.max_num_tokens,
-            padding.decode_query_len,
-            padding.lora_counts,
-        ),
+        "batch_shapes": {
+            "max_num_tokens": padding.max_num_tokens,
+            "max_query_len": padding.decode_query_len,
+            "lora_counts": padding.lora_counts,
+            "max_num_reqs": padding.max_num_reqs,
+            "max_scheduled_tokens": padding.max_scheduled_tokens,
+        },
         "cudagraph_mode": str(padding.cudagraph_mode),
         "cudagraph_capture_sizes": list(
             vllm_config.compilation_config.cudagraph_capture_sizes or ()
         ),
         "enforce_eager": vllm_config.model_config.enforce_eager,
+        "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+        "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
         "moe_backend": vllm_config.kernel_config.moe_backend,
         "enable_expert_parallel": vllm_config.parallel_config.enable_expert_parallel,
         # The legacy runner sets them on the last stage only.
@@ -412,10 +447,19 @@ def check_pp_hand_off_agreement(
         return pp_hand_off_settings(vllm_config, model, paddings[0])
 
     everyone = gather_from_stages(settings)
+    bounds = [s["batch_shapes"] for s in everyone]
+    # Stage 0 runs on the node that runs the engine (rank 0): its scheduler
+    # decides what a batch holds, the other nodes' limits only their graphs.
+    scheduler = bounds[0]
     shapes = batch_shapes(
-        max(s["batch_shapes"][0] for s in everyone),
-        max(s["batch_shapes"][1] for s in everyone),
-        sorted({count for s in everyone for count in s["batch_shapes"][2]}),
+        min(
+            max(b["max_num_tokens"] for b in bounds),
+            scheduler["max_scheduled_tokens"],
+        ),
+        max(b["max_query_len"] for b in bounds),
+        sorted({count for b in bounds for count in b["lora_counts"]}),
+        scheduler["max_num_reqs"],
+        sorted({b["max_num_reqs"] for b in bounds}),
     )
     sequence_parallel = any(s["sequence_parallel"] for s in everyone)
     try:
