@@ -115,9 +115,7 @@ def measure(
     first: tuple[float, float] | None = None
     for _ in range(repeat):
         start = time.perf_counter()
-        shapes = batch_shapes(
-            padding.max_num_tokens, padding.decode_query_len, padding.lora_counts
-        )
+        shapes = batch_shapes([padding.bounds])
         middle = time.perf_counter()
         rows = hand_off_rows(model, padding, shapes)
         end = time.perf_counter()
@@ -125,7 +123,7 @@ def measure(
         shapes_s = min(shapes_s, middle - start)
         rows_s = min(rows_s, end - middle)
     return {
-        "max_cudagraph_capture_size": padding.max_num_tokens,
+        "max_cudagraph_capture_size": padding.bounds.max_num_tokens,
         "decode_query_len": padding.decode_query_len,
         "prefill_graphs": len(
             config.compilation_config.prefill_cudagraph_capture_token_sizes

@@ -76,7 +76,7 @@ def stage():
 def test_the_agreement_asks_the_runners_own_graph_manager(stage):
     assert stage.padding.manager is stage.manager
     assert stage.padding.decode_query_len == 4
-    assert stage.padding.max_num_tokens == 2048
+    assert stage.padding.bounds.max_num_tokens == 2048
     assert stage.manager._decode_descs  # the uniform-decode tables are built
 
 
@@ -85,9 +85,7 @@ def test_every_batch_pads_as_the_shipped_dispatch_pads_it(stage):
 
     dispatch = shipped_dispatch()
     padding, manager = stage.padding, stage.manager
-    shapes = batch_shapes(
-        padding.max_num_tokens, padding.decode_query_len, padding.lora_counts
-    )
+    shapes = batch_shapes([padding.bounds])
     model = agreement_cost.ShardedModel(tp=8)
     rows = hand_off_rows(model, padding, shapes)
     manager._graphs_captured = True  # what capture() leaves; no graph is run
@@ -123,22 +121,24 @@ def test_uniform_decodes_take_their_request_count_graph(stage):
     from vllm.v1.worker.pp_hand_off_agreement import BatchShape
 
     padding = stage.padding
-    assert padding.padded_num_tokens(BatchShape(6, 2, 2)) == 6
-    assert padding.padded_num_tokens(BatchShape(6)) == 8  # with a prefill
-    assert padding.padded_num_tokens(BatchShape(9, 3, 3)) == 9
-    assert padding.padded_num_tokens(BatchShape(9)) == 16
+    assert padding.padded_num_tokens(BatchShape(6, 3, 2, 2)) == 6
+    assert padding.padded_num_tokens(BatchShape(6, 1)) == 8  # with a prefill
+    assert padding.padded_num_tokens(BatchShape(9, 3, 3, 3)) == 9
+    assert padding.padded_num_tokens(BatchShape(9, 1)) == 16
 
 
 def test_the_enumeration_cost_tool_times_what_the_agreement_runs():
     """tests/unit/agreement_cost.py at a small size: the shapes it times are
     the agreement's own enumeration."""
-    from vllm.v1.worker.pp_hand_off_agreement import batch_shapes
+    from vllm.v1.worker.pp_hand_off_agreement import ShapeBounds, batch_shapes
 
     result = agreement_cost.measure(
         spec=(1,), max_num_seqs=8, max_num_batched_tokens=64, repeat=1
     )
     assert result["decode_query_len"] == 2
     assert result["shapes"] == len(
-        batch_shapes(result["max_cudagraph_capture_size"], 2, [0])
+        batch_shapes(
+            [ShapeBounds(result["max_cudagraph_capture_size"], 2, (0,), 8, 64)]
+        )
     )
     assert result["batch_shapes_first_s"] > 0 and result["answer_bytes"] > 0

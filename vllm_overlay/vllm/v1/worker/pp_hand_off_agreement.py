@@ -143,24 +143,40 @@ class BatchShape:
         return f"a batch of {self.num_tokens} tokens ({kind}{loras})"
 
 
-def batch_shapes(
-    max_num_tokens: int,
-    max_query_len: int,
-    lora_counts: list[int],
-    max_num_reqs: int,
-    graph_max_num_reqs: list[int],
-) -> list[BatchShape]:
-    """Every batch whose padding can differ between the stages: CUDA graphs
-    pad no batch above ``max_num_tokens``, and the scheduler sends at most
-    ``max_num_reqs`` requests. A graph that bounds its requests holds
-    ``min(its tokens, its stage's max_num_seqs)``, at least as many tokens as
-    the batch: only a stage's limit (``graph_max_num_reqs``) decides whether
-    a batch's requests fit, so the fewest requests a batch can have and one
+@dataclass(frozen=True)
+class ShapeBounds:
+    """What bounds the batches one stage's runner pads."""
+
+    # CUDA graphs pad no batch above this many tokens (0: no graphs).
+    max_num_tokens: int
+    # The runner's decode query length.
+    max_query_len: int
+    lora_counts: tuple[int, ...]
+    # The most requests its graphs hold (--max-num-seqs). Stage 0 runs on
+    # the engine's node (rank 0): there also the most requests, and
+    # max_scheduled_tokens the most tokens, its scheduler puts in a batch.
+    max_num_reqs: int
+    max_scheduled_tokens: int
+
+
+def batch_shapes(bounds: list[ShapeBounds]) -> list[BatchShape]:
+    """Every batch whose padding can differ between the stages of
+    ``bounds``: as many tokens as any stage's graphs pad and the scheduler
+    sends, and requests as the scheduler sends. A graph that bounds its
+    requests holds min(its tokens, its stage's max_num_seqs), and its tokens
+    are at least the batch's: only a stage's max_num_seqs decides whether a
+    batch's requests fit, so the fewest requests a batch can have and one
     past each stage's limit stand for every request count."""
+    scheduler = bounds[0]
+    max_num_tokens = min(
+        max(b.max_num_tokens for b in bounds), scheduler.max_scheduled_tokens
+    )
+    max_query_len = max(b.max_query_len for b in bounds)
+    lora_counts = sorted({count for b in bounds for count in b.lora_counts})
+    past_limits = sorted({b.max_num_reqs + 1 for b in bounds})
 
     def request_counts(num_tokens: int, least: int) -> list[int]:
-        most = min(num_tokens, max_num_reqs)
-        past_limits = (limit + 1 for limit in graph_max_num_reqs)
+        most = min(num_tokens, scheduler.max_num_reqs)
         return [n for n in (least, *past_limits) if least <= n <= most]
 
     return [
@@ -180,7 +196,7 @@ def batch_shapes(
             *(
                 BatchShape(num_tokens, num_tokens // q, q, q, loras)
                 for q in range(1, max_query_len + 1)
-                if num_tokens % q == 0 and num_tokens // q <= max_num_reqs
+                if num_tokens % q == 0 and num_tokens // q <= scheduler.max_num_reqs
             ),
         )
     ]
@@ -201,22 +217,21 @@ class RunnerPadding:
             self.manager = manager
             self.cudagraph_mode = manager.cudagraph_mode
             self.decode_query_len = manager.decode_query_len
-        self.max_num_tokens = (
-            compilation_config.max_cudagraph_capture_size or 0
-            if self.cudagraph_mode
-            else 0
-        )
         scheduler_config = vllm_config.scheduler_config
-        # The most requests its graphs hold; on stage 0's node, which runs
-        # the engine, also what its scheduler sends at most, with the tokens.
-        self.max_num_reqs = scheduler_config.max_num_seqs
-        self.max_scheduled_tokens = (
-            scheduler_config.max_num_scheduled_tokens
-            or scheduler_config.max_num_batched_tokens
-        )
         lora_config = vllm_config.lora_config
-        self.lora_counts = [0] + (
-            list(range(1, lora_config.max_loras + 1)) if lora_config else []
+        self.bounds = ShapeBounds(
+            max_num_tokens=(
+                compilation_config.max_cudagraph_capture_size or 0
+                if self.cudagraph_mode
+                else 0
+            ),
+            max_query_len=self.decode_query_len,
+            lora_counts=tuple(range(lora_config.max_loras + 1 if lora_config else 1)),
+            max_num_reqs=scheduler_config.max_num_seqs,
+            max_scheduled_tokens=(
+                scheduler_config.max_num_scheduled_tokens
+                or scheduler_config.max_num_batched_tokens
+            ),
         )
 
     def padded_num_tokens(self, shape: BatchShape) -> int:
@@ -291,13 +306,7 @@ def pp_hand_off_settings(
             0 if pp_group.is_first_rank else bisect_right(layers, start)
         ),
         "aux_slots_sent": 0 if pp_group.is_last_rank else bisect_right(layers, end),
-        "batch_shapes": {
-            "max_num_tokens": padding.max_num_tokens,
-            "max_query_len": padding.decode_query_len,
-            "lora_counts": padding.lora_counts,
-            "max_num_reqs": padding.max_num_reqs,
-            "max_scheduled_tokens": padding.max_scheduled_tokens,
-        },
+        "batch_shapes": padding.bounds,
         "cudagraph_mode": str(padding.cudagraph_mode),
         "cudagraph_capture_sizes": list(
             vllm_config.compilation_config.cudagraph_capture_sizes or ()
@@ -540,20 +549,7 @@ def check_pp_hand_off_agreement(
         return pp_hand_off_settings(vllm_config, model, paddings[0])
 
     everyone = gather_from_stages(settings)
-    bounds = [s["batch_shapes"] for s in everyone]
-    # Stage 0 runs on the node that runs the engine (rank 0): its scheduler
-    # decides what a batch holds, the other nodes' limits only their graphs.
-    scheduler = bounds[0]
-    shapes = batch_shapes(
-        min(
-            max(b["max_num_tokens"] for b in bounds),
-            scheduler["max_scheduled_tokens"],
-        ),
-        max(b["max_query_len"] for b in bounds),
-        sorted({count for b in bounds for count in b["lora_counts"]}),
-        scheduler["max_num_reqs"],
-        sorted({b["max_num_reqs"] for b in bounds}),
-    )
+    shapes = batch_shapes([s["batch_shapes"] for s in everyone])
     sequence_parallel = any(s["sequence_parallel"] for s in everyone)
     try:
         rows = gather_from_stages(lambda: hand_off_rows(model, paddings[0], shapes))
