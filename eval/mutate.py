@@ -481,6 +481,7 @@ def run_jobs(args: argparse.Namespace, expected: dict[str, str], state: Path) ->
     shared = ["--patch-set", str(args.patch_set), "--results", str(args.results)]
     shared += ["--timeout", str(args.timeout), "--tests", *args.tests]
     shared += ["--files", *args.files] if args.files else []
+    shared += ["--lines", "-".join(map(str, args.lines))] if args.lines else []
     shared += ["--all-tests"] if args.all_tests else []
     shared += ["--limit", str(args.limit)] if args.limit is not None else []
     workers = []
@@ -510,6 +511,14 @@ def run_jobs(args: argparse.Namespace, expected: dict[str, str], state: Path) ->
     return 0
 
 
+def line_range(text: str) -> tuple[int, int]:
+    """``START-END`` (inclusive), as ``--lines`` takes it."""
+    start, sep, end = text.partition("-")
+    if not (sep and start.isdigit() and end.isdigit() and int(start) <= int(end)):
+        raise argparse.ArgumentTypeError(f"{text!r}: want START-END, e.g. 140-210")
+    return int(start), int(end)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--patch-set", type=Path, default=PROJECT_DIR)
@@ -519,6 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--limit", type=int, help="decide at most N mutants this run")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--files", nargs="+", default=[], help="only these installed files")
+    p.add_argument(
+        "--lines",
+        type=line_range,
+        help="only mutants on lines START-END of the files (with --files)",
+    )
     p.add_argument(
         "--all-tests",
         action="store_true",
@@ -568,6 +582,8 @@ def main(argv: list[str] | None = None) -> int:
         trees[rel] = ast.parse(source)
         if args.files and rel not in args.files:
             continue
+        if args.lines:
+            lines = {n for n in lines if args.lines[0] <= n <= args.lines[1]}
         for m in mutants_of(rel, source, lines):
             mid = m.key(expected[rel])
             all_ids.append(mid)

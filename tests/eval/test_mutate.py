@@ -87,6 +87,22 @@ def test_planted_mutants_are_killed_or_survive_and_the_tree_is_restored(tmp_path
     )
 
 
+def test_lines_limit_a_run_to_the_mutants_on_those_lines(tmp_path):
+    root, target = _tree(tmp_path)
+    results = tmp_path / "results"
+    argv = ["--patch-set", str(root), "--target", str(target), "--tests", "tests"]
+    argv += ["--results", str(results), "--files", "vllm/probe.py"]
+    assert mutate.main([*argv, "--lines", "9-9"]) == 0
+    recs = [json.loads(x) for x in (results / "mutants.jsonl").read_text().splitlines()]
+    assert recs and {r["file"] for r in recs} == {"vllm/probe.py:9"}
+    try:
+        mutate.main([*argv, "--lines", "9"])
+    except SystemExit as exit_:
+        assert exit_.code == 2  # argparse names the form it wants
+    else:
+        raise AssertionError("--lines 9 was accepted")
+
+
 def test_a_mutant_left_by_a_killed_run_is_restored_at_start(tmp_path):
     root, target = _tree(tmp_path)
     digest = hashlib.sha256(MODULE.encode()).hexdigest()
