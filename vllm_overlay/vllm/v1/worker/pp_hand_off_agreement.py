@@ -153,10 +153,11 @@ class ShapeBounds:
     max_query_len: int
     lora_counts: tuple[int, ...]
     # The most requests its graphs hold (--max-num-seqs). Stage 0 runs on
-    # the engine's node (rank 0): there also the most requests, and
-    # max_scheduled_tokens the most tokens, its scheduler puts in a batch.
+    # the engine's node (rank 0): there also the most requests its scheduler
+    # puts in a batch, and the token budget the most tokens any step holds
+    # (the scheduler's batches and the warm-up and KV-sizing steps).
     max_num_reqs: int
-    max_scheduled_tokens: int
+    max_num_batched_tokens: int
 
 
 def batch_shapes(bounds: list[ShapeBounds]) -> list[BatchShape]:
@@ -169,7 +170,7 @@ def batch_shapes(bounds: list[ShapeBounds]) -> list[BatchShape]:
     past each stage's limit stand for every request count."""
     scheduler = bounds[0]
     max_num_tokens = min(
-        max(b.max_num_tokens for b in bounds), scheduler.max_scheduled_tokens
+        max(b.max_num_tokens for b in bounds), scheduler.max_num_batched_tokens
     )
     max_query_len = max(b.max_query_len for b in bounds)
     lora_counts = sorted({count for b in bounds for count in b.lora_counts})
@@ -228,10 +229,7 @@ class RunnerPadding:
             max_query_len=self.decode_query_len,
             lora_counts=tuple(range(lora_config.max_loras + 1 if lora_config else 1)),
             max_num_reqs=scheduler_config.max_num_seqs,
-            max_scheduled_tokens=(
-                scheduler_config.max_num_scheduled_tokens
-                or scheduler_config.max_num_batched_tokens
-            ),
+            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
         )
 
     def padded_num_tokens(self, shape: BatchShape) -> int:
