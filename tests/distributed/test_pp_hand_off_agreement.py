@@ -536,17 +536,20 @@ def test_a_runner_without_graph_dispatch_pads_nothing(pool):
 @topologies((2, 2))
 def test_a_runner_without_graph_dispatch_warms_up_at_one_token_per_decode(pool):
     """Without a graph manager a stage's decode query length is 1 + draft
-    tokens, as the V2 runner's without a drafter: beside an eager V2 stage
-    it runs the same JIT warm-up steps and starts (their modes shown)."""
-    jit = dataclasses.replace(NO_SP, enable_jit_warmup=True)
-    assert_started_everywhere(
-        run_stages(
-            pool,
-            dataclasses.replace(jit, runner="none"),
-            dataclasses.replace(jit, runner="v2", enforce_eager=True),
-        ),
-        "differ in cudagraph_mode",
-    )
+    tokens, as the V2 runner's: beside an eager V2 stage it runs the same
+    JIT warm-up steps and starts (their modes shown), with a drafter too."""
+    for draft_tokens in (0, 1):
+        jit = dataclasses.replace(
+            NO_SP, enable_jit_warmup=True, num_speculative_tokens=draft_tokens
+        )
+        assert_started_everywhere(
+            run_stages(
+                pool,
+                dataclasses.replace(jit, runner="none"),
+                dataclasses.replace(jit, runner="v2", enforce_eager=True),
+            ),
+            "differ in cudagraph_mode",
+        )
 
 
 @topologies((2, 2))
