@@ -16,8 +16,11 @@ from pathlib import Path
 import pytest
 
 from tests.serving import preloaded_vllm
+from tests.serving.eagle3 import speculative_config, write_draft_dir
+from tests.serving.fork_processes import ASYNC_SCHEDULING
 from tests.serving.server import OFFLINE, Server, serve_env, write_model_dir
 from tests.serving.worker import STAGE0_EXTRA_ROW, STAGE1_MOE_BACKEND
+from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 
 TP2PP2 = ["-tp", "2", "-pp", "2", "--enable-expert-parallel"]
 TP2PP3 = ["-tp", "2", "-pp", "3", "--enable-expert-parallel"]
@@ -34,6 +37,10 @@ class Layout:
     env: dict[str, str] = field(default_factory=dict)
     # False for a server the stages' agreement must refuse at start-up.
     starts: bool = True
+    # With the tests' EAGLE-3 drafter (tests/serving/eagle3.py) and async
+    # scheduling, which vLLM needs for a drafter at PP > 1
+    # (tests/serving/fork_processes.py says why).
+    drafter: bool = False
 
 
 # The sequence-parallel layout is served by the Rust frontend (as every arm
@@ -52,12 +59,16 @@ LAYOUTS = {
     ),
     # Three stages: a middle stage receives shards and hands them on. Its
     # stage 0 hands on a row too many for a prompt that begins with
-    # EXTRA_ROW_MARK (the last test of test_serve_parity.py sends one).
+    # EXTRA_ROW_MARK (the last test of test_serve_parity.py sends one). On
+    # vLLM 0.34.0 it serves with the EAGLE-3 drafter: the middle stage's
+    # runner relays stage 0's aux state to the last stage, where the drafter
+    # reads it (test_serve_drafter.py).
     "TP2xPP3 SP (MegaMoE, EP)": Layout(
         [*TP2PP3, "--moe-backend", "deep_gemm_mega_moe"],
         "python",
         None,
         env={STAGE0_EXTRA_ROW: "1"},
+        drafter=not HAS_LEGACY_RUNNER,
     ),
     # Stage 1 builds its model with another MoE backend, as a node started
     # with other flags would.
@@ -69,7 +80,12 @@ LAYOUTS = {
         starts=False,
     ),
 }
+if not HAS_LEGACY_RUNNER:
+    # The drafts' reference (vLLM 0.34.0's V2 runner; 0.33.0's servers run a
+    # stand-in runner without a speculator).
+    LAYOUTS["TP1xPP1 EAGLE-3"] = Layout([], "python", None, drafter=True)
 REFERENCE = "TP1xPP1"
+EAGLE3_REFERENCE = "TP1xPP1 EAGLE-3"
 SP = "TP2xPP2 SP (MegaMoE, EP)"
 REPLICATED = "TP2xPP2 replicated (triton, EP)"
 SP_PP3 = "TP2xPP3 SP (MegaMoE, EP)"
@@ -91,8 +107,9 @@ def free_port() -> int:
 class Servers:
     """The servers of `tests/serving` by layout name, started on first use."""
 
-    def __init__(self, vllm: Path, model_dir, logs, wanted: list[str]) -> None:
+    def __init__(self, vllm: Path, model_dir, draft_dir, logs, wanted) -> None:
         self.vllm, self.model_dir, self.logs = vllm, model_dir, logs
+        self.draft_dir = draft_dir
         self.wanted = wanted
         self.started: dict[str, Server] = {}
         self.startup: dict[str, float] = {}
@@ -104,14 +121,18 @@ class Servers:
         for other in dict.fromkeys([name, *self.wanted]):
             if other not in self.started:
                 layout = LAYOUTS[other]
-                env = dict(layout.env)
+                env, args = dict(layout.env), list(layout.args)
                 if layout.frontend == "rust":
                     env["VLLM_USE_RUST_FRONTEND"] = "1"
+                if layout.drafter:
+                    env[ASYNC_SCHEDULING] = "1"
+                    draft = speculative_config(self.draft_dir)
+                    args += ["--speculative-config", draft, "--async-scheduling"]
                 log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
                 self.started[other] = Server(
                     self.model_dir,
                     free_port(),
-                    layout.args,
+                    args,
                     env=env,
                     log=self.logs / log,
                     vllm=self.vllm,
@@ -154,6 +175,7 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
         pool = Servers(
             vllm,
             write_model_dir(root / "tiny-k3"),
+            write_draft_dir(root / "tiny-k3-eagle3"),
             root,
             wanted_layouts(request.session.items),
         )

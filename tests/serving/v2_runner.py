@@ -8,7 +8,10 @@ its ``model=``, so everything after the build is vLLM's: the PP hand-off
 declaration, the model state, the sampler, the persistent receive buffers,
 the dummy and profile runs, the KV cache spec, its allocation and binding,
 the input batch, block tables and slot mappings, ``execute_model`` with the
-series' hand-over, ``sample_tokens``, the PP handler's token broadcast.
+series' hand-over, ``sample_tokens``, the PP handler's token broadcast; with
+``--speculative-config`` (the drafter layouts), vLLM's EAGLE-3 speculator,
+its aux-layer set-up and relay across PP stages, the rejection sampler and
+the drafts' broadcast.
 
 What is stood in, below the runner:
 
@@ -28,7 +31,9 @@ What is stood in, below the runner:
 - the LM head: :class:`TinyK3ForCausalLM`, a seeded full-vocabulary matrix
   (the tiny K3 is the text model ``KimiLinearModel``; vLLM's causal-LM
   wrapper brings Kimi K3's hybrid model state, whose KDA state the
-  stand-in attention does not keep).
+  stand-in attention does not keep);
+- with a drafter: its weights and its attention (``tests/serving/eagle3.py``,
+  which also logs each step's drafts for the tests to compare).
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from vllm.forward_context import get_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.linear import RowParallelLinear
+from vllm.model_executor.models.interfaces import SupportsEagle3
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backend import AttentionBackend, AttentionMetadataBuilder
 from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -164,18 +170,22 @@ class PagedPrefixMixer(nn.Module, AttentionLayerBase):
         return output
 
 
-class TinyK3ForCausalLM(nn.Module):
+class TinyK3ForCausalLM(nn.Module, SupportsEagle3):
     """The tiny K3 text model with a seeded LM head; its PP declaration is
-    the text model's, as vLLM's Kimi K3 wrappers delegate it."""
+    the text model's, as vLLM's Kimi K3 wrappers delegate it, and so are
+    EAGLE-3's aux layers (vLLM's ``SupportsEagle3`` sets them on the text
+    model, whose stages capture, send and gather them)."""
 
     def __init__(self, *, vllm_config, prefix: str = "") -> None:
         # Built under tiny_k3.stand_ins(), with PagedPrefixMixer as attention.
         super().__init__()
         self.model = tiny_k3.build_model(vllm_config, SEED)
+        # A plain matrix, not vLLM's ParallelLMHead: named so that vLLM's
+        # load_eagle_model finds no target head to install on a drafter.
         lm_head = tiny_k3.full_weight(
             "lm_head.weight", (tiny_k3.VOCAB, tiny_k3.HIDDEN), SEED
         )
-        self.register_buffer("lm_head", lm_head)
+        self.register_buffer("lm_head_weight", lm_head)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -194,7 +204,7 @@ class TinyK3ForCausalLM(nn.Module):
         return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return (hidden_states @ self.lm_head.T).float()
+        return (hidden_states @ self.lm_head_weight.T).float()
 
 
 class V2Runner(CPUModelRunner):
@@ -205,9 +215,18 @@ class V2Runner(CPUModelRunner):
         # The tiny K3 computes in float64; the runner's buffers (the PP
         # receive buffers among them) take the served model's dtype.
         vllm_config.model_config.dtype = tiny_k3.DTYPE
+        # So does the drafter (tests/serving/eagle3.py).
+        if vllm_config.speculative_config is not None:
+            draft = vllm_config.speculative_config.draft_model_config
+            if draft is not None:
+                draft.dtype = tiny_k3.DTYPE
         super().__init__(vllm_config, device)
 
     def execute_model(self, scheduler_output, *args, **kwargs):
+        # Each request's prompt, by which the drafts are logged.
+        prompts = self.__dict__.setdefault("prompts", {})
+        for new in scheduler_output.scheduled_new_reqs:
+            prompts[new.req_id] = "".join(map(chr, new.prompt_token_ids or ()))
         output = super().execute_model(scheduler_output, *args, **kwargs)
         if os.environ.get(STAGE0_EXTRA_ROW) and isinstance(output, IntermediateTensors):
             output = self.planted_extra_row(scheduler_output, output)
@@ -250,4 +269,10 @@ class V2Runner(CPUModelRunner):
             text_model.end_layer,
             text_model.use_sequence_parallel,
         )
-        return super().load_model(load_dummy_weights, model=model)
+        from tests.serving import eagle3
+
+        with eagle3.drafter_loader(SEED):
+            loaded = super().load_model(load_dummy_weights, model=model)
+        if self.speculator is not None or self.use_aux_hidden_state_outputs:
+            eagle3.log_drafts_and_relay(self)
+        return loaded

@@ -1,7 +1,9 @@
 # SPDX-License-Identifier: Apache-2.0
 """Torch stand-ins for the Triton kernels Model Runner V2 launches in a plain
-greedy or sampled step, so that vLLM's own V2 runner (``GPUModelRunner``, as
-``CPUModelRunner`` subclasses it) runs on the tests' CPU ranks.
+greedy or sampled step, and in a greedy step with an EAGLE-3 drafter (its
+input preparation and the strict rejection sampler), so that vLLM's own V2
+runner (``GPUModelRunner``, as ``CPUModelRunner`` subclasses it) and its
+speculator run on the tests' CPU ranks.
 
 The wheel these tests install is vLLM's CUDA wheel: its Triton has no CPU
 backend, so no ``@triton.jit`` kernel can launch here. Each stand-in replaces
@@ -301,6 +303,272 @@ def gumbel_sample(logits, expanded_idx_mapping, temperature, seed, pos,
     return sampled
 
 
+# --- vllm/v1/worker/gpu/spec_decode/target_dependent_ar/speculator.py ------
+# The EAGLE-3 speculator's input preparation (the serving tests' drafter).
+
+
+def draft_prefill_inputs(grid, last_token_indices, draft_current_step,
+                         draft_input_ids, draft_positions,
+                         draft_query_start_loc, draft_seq_lens,
+                         target_input_ids, target_positions, idx_mapping,
+                         last_sampled, next_prefill_tokens, num_sampled,
+                         num_rejected, query_start_loc, seq_lens, max_num_reqs,
+                         **meta):  # fmt: skip
+    """``_prepare_prefill_inputs_kernel`` (the speculator's): the draft
+    prefill runs on the target's rows, each request's input ids shifted left
+    by one with the next token (its last sampled one, or the next prompt token
+    in a chunked prefill) at its last row before the rejected ones; positions,
+    query starts and sequence lengths are the target's; the padding past the
+    batch repeats the last query end, and the draft step restarts at 0."""
+    num_reqs = grid[0]
+    next_prompt_tokens = next_prefill_tokens.reshape(-1)
+    for b in range(num_reqs):
+        req = int(idx_mapping[b])
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        length = end - start - int(num_rejected[b])
+        if int(num_sampled[b]) > 0:
+            next_token = int(last_sampled[req])
+        else:
+            next_token = int(next_prompt_tokens[req])
+        last = start + length - 1
+        draft_input_ids[start:last] = target_input_ids[start + 1 : start + length]
+        last_token_indices[b] = last
+        draft_input_ids[last] = next_token
+        draft_positions[start : start + length] = target_positions[
+            start : start + length
+        ]
+        draft_query_start_loc[b] = start
+        draft_seq_lens[b] = seq_lens[b]
+    draft_current_step.fill_(0)
+    query_end = int(query_start_loc[num_reqs])
+    draft_query_start_loc[num_reqs : max_num_reqs + 1] = query_end
+    draft_seq_lens[num_reqs:max_num_reqs] = 0
+    last_token_indices[num_reqs:max_num_reqs] = 0
+
+
+def draft_decode_inputs(grid, draft_tokens, draft_tokens_stride,
+                        target_seq_lens, num_rejected, input_ids, positions,
+                        sample_src_positions, query_start_loc, seq_lens,
+                        max_model_len, max_num_reqs, BLOCK_SIZE,
+                        ADVANCE_DRAFT_POSITIONS):  # fmt: skip
+    """``_prepare_decode_inputs_kernel``: the first draft decode step takes
+    each request's first draft token as its one input id, one query token a
+    request (query starts 0, 1, ..., padded with the request count), the
+    sampling key one further, and the sequence length of the accepted tokens
+    (plus the new position where the drafter writes one, both clamped to the
+    model length)."""
+    num_reqs = grid[0] - 1
+    query_start_loc[: max_num_reqs + 1] = torch.clamp(
+        torch.arange(max_num_reqs + 1), max=num_reqs
+    )
+    seq_lens[num_reqs:max_num_reqs] = 0
+    for b in range(num_reqs):
+        input_ids[b] = draft_tokens[b]
+        sample_src_positions[b] += 1
+        seq_len = int(target_seq_lens[b]) - int(num_rejected[b])
+        if ADVANCE_DRAFT_POSITIONS:
+            positions[b] = min(int(positions[b]) + 1, max_model_len - 1)
+            seq_len = min(seq_len + 1, max_model_len)
+        seq_lens[b] = seq_len
+
+
+def update_draft_inputs(grid, output_draft_tokens, output_draft_tokens_stride,
+                        next_input_hidden_states,
+                        next_input_hidden_states_stride, input_ids, positions,
+                        sample_src_positions, seq_lens, draft_tokens,
+                        current_draft_step, hidden_states,
+                        hidden_states_stride, hidden_size, max_model_len,
+                        num_speculative_steps, BLOCK_SIZE,
+                        ADVANCE_DRAFT_POSITIONS):  # fmt: skip
+    """``_update_draft_inputs_kernel``: record each request's draft token of
+    this step; unless it was the last step, make it the next input id, the
+    drafter's output hidden state the next input state, and advance the
+    sampling key, position and sequence length (clamped to the model
+    length)."""
+    step = int(current_draft_step)
+    limit = int(max_model_len)
+    for b in range(grid[0]):
+        output_draft_tokens[b, step] = draft_tokens[b]
+        if step >= num_speculative_steps - 1:
+            continue
+        sample_src_positions[b] += 1
+        input_ids[b] = draft_tokens[b]
+        next_input_hidden_states[b, :hidden_size] = hidden_states[b, :hidden_size]
+        if ADVANCE_DRAFT_POSITIONS:
+            positions[b] = min(int(positions[b]) + 1, limit - 1)
+            seq_lens[b] = min(int(seq_lens[b]) + 1, limit)
+
+
+# --- vllm/v1/worker/gpu/spec_decode/rejection_sampler.py -------------------
+
+
+def gather_draft_sampled(grid, draft_sampled, pos, input_ids, positions,
+                         logits_indices, expanded_idx_mapping,
+                         expanded_local_pos, prefill_len, num_logits,
+                         BLOCK_SIZE):  # fmt: skip
+    """``_gather_draft_sampled_kernel``: each logits row's input token and
+    position; a draft row (local position > 0) of a step that starts inside
+    the prompt holds no draft, -1."""
+    for row in range(num_logits):
+        token = int(logits_indices[row])
+        position = int(positions[token])
+        local = int(expanded_local_pos[row])
+        prompt = int(prefill_len[int(expanded_idx_mapping[row])])
+        placeholder = local > 0 and position - local < prompt
+        draft_sampled[row] = -1 if placeholder else input_ids[token]
+        pos[row] = position
+
+
+# --- vllm/v1/worker/gpu/spec_decode/rejection_sampler_utils.py -------------
+# Strict rejection sampling for greedy requests: no other request reaches
+# these stand-ins (a sampled request fails at the first, naming it).
+
+
+def _greedy_only(temperature, req: int, kernel: str) -> None:
+    if float(temperature[req]) != 0.0:
+        raise NotImplementedError(
+            f"stand-in {kernel}: greedy requests only (temperature 0)"
+        )
+
+
+def _is_bonus_row(expanded_local_pos, row: int, num_logits: int) -> bool:
+    """The last logits row of its request (the next row starts another)."""
+    return row + 1 >= num_logits or int(expanded_local_pos[row + 1]) == 0
+
+
+def _block_argmax(values: torch.Tensor) -> tuple[float, int]:
+    """Max and first index of the max, NaN read as -inf."""
+    values = values.float().masked_fill(values.isnan(), float("-inf"))
+    index = int(torch.argmax(values))
+    return float(values[index]), index
+
+
+def local_logits_stats(grid, target_local_argmax, target_local_argmax_stride,
+                       target_local_max, target_local_max_stride,
+                       target_local_sumexp, target_local_sumexp_stride,
+                       draft_local_max, draft_local_max_stride,
+                       draft_local_sumexp, draft_local_sumexp_stride,
+                       target_logits, target_logits_stride, draft_logits,
+                       draft_logits_stride_0, draft_logits_stride_1,
+                       draft_logits_row_mapping, expanded_idx_mapping,
+                       expanded_local_pos, temperature, vocab_size,
+                       num_logits, BLOCK_SIZE, HAS_DRAFT_LOGITS):  # fmt: skip
+    """``_compute_local_logits_stats_kernel``, greedy: per logits row but a
+    request's last (the bonus row) and per vocabulary block, the target's max
+    logit and its first index."""
+    num_rows, num_blocks = grid
+    for row in range(num_rows):
+        if _is_bonus_row(expanded_local_pos, row, num_logits):
+            continue
+        _greedy_only(
+            temperature, int(expanded_idx_mapping[row]),
+            "_compute_local_logits_stats_kernel",
+        )  # fmt: skip
+        for block in range(num_blocks):
+            first = block * BLOCK_SIZE
+            values = target_logits[row, first : min(first + BLOCK_SIZE, vocab_size)]
+            value, index = _block_argmax(values)
+            target_local_argmax[row, block] = first + index
+            target_local_max[row, block] = value
+
+
+def rejection(grid, sampled, sampled_stride, rejected_steps,
+              target_rejected_logsumexp, draft_rejected_logsumexp,
+              target_logits, target_logits_stride, target_local_argmax,
+              target_local_argmax_stride, target_local_max,
+              target_local_max_stride, target_local_sumexp,
+              target_local_sumexp_stride, draft_sampled, draft_logits,
+              draft_logits_stride_0, draft_logits_stride_1,
+              draft_logits_row_mapping, draft_local_max,
+              draft_local_max_stride, draft_local_sumexp,
+              draft_local_sumexp_stride, cu_num_logits, idx_mapping,
+              temperature, seed, pos, synthetic_conditional_rates,
+              cumulative_log_p, local_residual_mass,
+              local_residual_mass_stride, fly_entropy, fly_entropy_threshold,
+              vocab_num_blocks, PADDED_VOCAB_NUM_BLOCKS, HAS_DRAFT_LOGITS,
+              SYNTHETIC_MODE, USE_BLOCK_VERIFICATION, FLY_WINDOW_SIZE,
+              **meta):  # fmt: skip
+    """``_rejection_kernel``, greedy and strict: walk each request's drafts
+    while each equals the target's argmax at its row (the argmax of the
+    block maxima, first block on a tie); the first that does not is replaced
+    by the target's argmax and ends the walk; a -1 placeholder never
+    matches. Stores the accepted count."""
+    if SYNTHETIC_MODE or USE_BLOCK_VERIFICATION or FLY_WINDOW_SIZE:
+        raise NotImplementedError("stand-in _rejection_kernel: strict mode only")
+    for b in range(grid[0]):
+        _greedy_only(temperature, int(idx_mapping[b]), "_rejection_kernel")
+        start, end = int(cu_num_logits[b]), int(cu_num_logits[b + 1])
+        accepted = 0
+        for i in range(end - start - 1):
+            row = start + i
+            draft = int(draft_sampled[row + 1])
+            _, block = _block_argmax(target_local_max[row, :vocab_num_blocks])
+            target = int(target_local_argmax[row, block])
+            if draft >= 0 and draft == target:
+                accepted += 1
+                sampled[b, i] = draft
+                continue
+            sampled[b, i] = target
+            break
+        rejected_steps[b] = accepted
+        target_rejected_logsumexp[b] = 0.0
+        draft_rejected_logsumexp[b] = 0.0
+
+
+def resample(grid, resampled_local_argmax, resampled_local_argmax_stride,
+             resampled_local_max, resampled_local_max_stride, target_logits,
+             target_logits_stride, target_rejected_logsumexp, draft_logits,
+             draft_logits_stride_0, draft_logits_stride_1,
+             draft_logits_row_mapping, draft_rejected_logsumexp,
+             rejected_step, cu_num_logits, expanded_idx_mapping,
+             draft_sampled, temperature, seed, pos, cumulative_log_p,
+             contexts, contexts_stride, watermarking, watermarking_skip_mask,
+             watermark_key_0, watermark_key_1, vocab_size, BLOCK_SIZE,
+             HAS_DRAFT_LOGITS, USE_FP64, USE_BLOCK_VERIFICATION,
+             CONTEXT_WIDTH, WATERMARK, DEDUPLICATE_CONTEXTS,
+             SKIP_MASKED_BLOCKS):  # fmt: skip
+    """``_resample_kernel``, greedy: a request that accepted every draft
+    takes its bonus row's argmax (per vocabulary block here, combined by
+    ``_insert_resampled_kernel``); one that rejected a draft already holds
+    the target's argmax there, and nothing is resampled."""
+    num_reqs, num_blocks = grid
+    for b in range(num_reqs):
+        row = int(cu_num_logits[b]) + int(rejected_step[b])
+        _greedy_only(
+            temperature, int(expanded_idx_mapping[row]), "_resample_kernel"
+        )  # fmt: skip
+        if row != int(cu_num_logits[b + 1]) - 1:
+            continue
+        for block in range(num_blocks):
+            first = block * BLOCK_SIZE
+            values = target_logits[row, first : min(first + BLOCK_SIZE, vocab_size)]
+            value, index = _block_argmax(values)
+            resampled_local_argmax[b, block] = first + index
+            resampled_local_max[b, block] = value
+
+
+def insert_resampled(grid, sampled, sampled_stride, num_sampled,
+                     resampled_local_argmax, resampled_local_argmax_stride,
+                     resampled_local_max, resampled_local_max_stride,
+                     resample_num_blocks, cu_num_logits, expanded_idx_mapping,
+                     temperature, PADDED_RESAMPLE_NUM_BLOCKS,
+                     **meta):  # fmt: skip
+    """``_insert_resampled_kernel``: one token more for every request; a
+    request at its bonus row gets the argmax of the block maxima there."""
+    for b in range(grid[0]):
+        count = int(num_sampled[b])
+        num_sampled[b] = count + 1
+        row = int(cu_num_logits[b]) + count
+        _greedy_only(
+            temperature, int(expanded_idx_mapping[row]), "_insert_resampled_kernel"
+        )  # fmt: skip
+        if row != int(cu_num_logits[b + 1]) - 1:
+            continue
+        _, block = _block_argmax(resampled_local_max[b, :resample_num_blocks])
+        sampled[b, count] = resampled_local_argmax[b, block]
+
+
+SPEC = "vllm.v1.worker.gpu.spec_decode."
 # (module, kernel attribute) -> stand-in; gumbel_sample is replaced whole.
 STAND_INS: dict[tuple[str, str], Callable] = {
     ("vllm.v1.worker.gpu.buffer_utils", "_apply_write_kernel"): apply_write,
@@ -321,6 +589,20 @@ STAND_INS: dict[tuple[str, str], Callable] = {
         gather_block_tables,
     ("vllm.v1.worker.gpu.block_table", "_compute_slot_mappings_kernel"):
         compute_slot_mappings,
+    (SPEC + "target_dependent_ar.speculator", "_prepare_prefill_inputs_kernel"):
+        draft_prefill_inputs,
+    (SPEC + "target_dependent_ar.speculator", "_prepare_decode_inputs_kernel"):
+        draft_decode_inputs,
+    (SPEC + "target_dependent_ar.speculator", "_update_draft_inputs_kernel"):
+        update_draft_inputs,
+    (SPEC + "rejection_sampler", "_gather_draft_sampled_kernel"):
+        gather_draft_sampled,
+    (SPEC + "rejection_sampler_utils", "_compute_local_logits_stats_kernel"):
+        local_logits_stats,
+    (SPEC + "rejection_sampler_utils", "_rejection_kernel"): rejection,
+    (SPEC + "rejection_sampler_utils", "_resample_kernel"): resample,
+    (SPEC + "rejection_sampler_utils", "_insert_resampled_kernel"):
+        insert_resampled,
 }  # fmt: skip
 
 

@@ -1,0 +1,339 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A tiny EAGLE-3 drafter for the serving tests: vLLM's own
+``Eagle3LlamaForCausalLM``, built by vLLM's ``initialize_model`` from the
+draft checkpoint's ``config.json`` (:func:`write_draft_dir`), run by vLLM's
+own V2 ``EagleSpeculator`` on the last PP stage.
+
+What differs from a served EAGLE-3 checkpoint, and why:
+
+- weights: seeded per parameter name at full size and loaded through each
+  parameter's own ``weight_loader``, as the test bed seeds the target, so
+  every TP rank holds its shard of the same drafter and TP1xPP1 and TP2xPPn
+  drafts agree (vLLM's dummy loader draws each rank's shard on its own); a
+  few are set so that its drafts are often accepted and read the taps
+  (:func:`drafter_weight`). The input embedding and LM head have the
+  target's values, and are the drafter's own as a checkpoint's would be
+  (vLLM shares the target's equal embedding at PP = 1; the tiny K3's LM
+  head is a plain matrix, which vLLM's ``load_eagle_model`` does not find
+  to share);
+- attention: :class:`PagedCausalAttention` in place of vLLM's ``Attention``
+  in the drafter's ``LlamaAttention`` (the CUDA wheel has no CPU attention
+  kernels): causal softmax attention whose keys and values are written to
+  and read from vLLM's paged KV cache through the block tables and slot
+  mappings the speculator hands it.
+
+- custom ops: built with ``custom_ops=["none"]`` (vLLM's torch-native
+  rotary embedding and norms), as the test bed builds the target: the CPU
+  ones are ``vllm._C``'s, which the CUDA wheel lacks.
+
+Everything else of the drafter is vLLM's: the ``fc`` that combines the aux
+hidden states, the decoder layer, rotary embedding, MLP, norms, the
+vocab-parallel LM head and its logits gather; and around it vLLM's
+``load_eagle_model`` (embedding and head sharing), the speculator, its
+attention metadata, the rejection sampler and the PP handler's broadcast of
+the drafts to the other stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tests.sppp_testbed import tiny_k3
+from vllm.config import get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank
+from vllm.distributed.parallel_state import get_pp_group
+from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+# Under the "vllm" logger, whose handlers print in the servers.
+logger = init_logger(f"vllm.{__name__}")
+
+# The target's layers whose outputs the drafter reads (EAGLE-3's aux hidden
+# states; tap i is the residual stream after layer i - 1, tap 4 the target's
+# final one). At PP2 (layers [0, 2), [2, 4)) stage 0 sends taps 1 and 2
+# across the boundary; at PP3 ([0, 1), [1, 3), [3, 4)) stage 0 sends tap 1,
+# which the middle stage's runner relays beside its own tap 2.
+AUX_LAYERS = (1, 2, 4)
+NUM_SPECULATIVE_TOKENS = 2
+# The drafter layer's output projections, scaled (drafter_weight says why).
+DAMPING = 0.1
+# One KV head of the hidden size, as the target's attention stand-in
+# declares (a TP rank replicates a single KV head): the drafter's KV cache
+# pages have the size of the target's on every rank, whatever the TP size.
+NUM_HEADS = 2
+HEAD_DIM = tiny_k3.HIDDEN
+
+
+def write_draft_dir(path: Path) -> Path:
+    """A draft checkpoint's ``config.json``: a one-layer Llama that vLLM's
+    ``eagle3`` method wraps as ``Eagle3LlamaForCausalLM``."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": tiny_k3.VOCAB,
+                "draft_vocab_size": tiny_k3.VOCAB,
+                "hidden_size": tiny_k3.HIDDEN,
+                "intermediate_size": 96,
+                "num_hidden_layers": 1,
+                "num_attention_heads": NUM_HEADS,
+                "num_key_value_heads": 1,
+                "head_dim": HEAD_DIM,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
+                "eagle_aux_hidden_state_layer_ids": list(AUX_LAYERS),
+                "tie_word_embeddings": False,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    return path
+
+
+def speculative_config(draft_dir: Path) -> str:
+    """``--speculative-config`` for the drafter in ``draft_dir``."""
+    return json.dumps(
+        {
+            "method": "eagle3",
+            "model": str(draft_dir),
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        }
+    )
+
+
+class PagedCausalAttention(nn.Module, AttentionLayerBase):
+    """Attention stand-in for the drafter's layers: per request, causal
+    softmax attention of each query over the keys and values of every
+    earlier position of that request, read from vLLM's paged KV cache.
+
+    Takes vLLM ``Attention``'s arguments. A step writes its tokens' keys and
+    values at their ``slot_mapping`` slots (K in the first half of a slot, V
+    in the second: vLLM binds a full-attention layer's cache as ``[blocks,
+    KV heads, block size, K|V]``) and reads each request's ``seq_lens``
+    positions back through its ``block_table_tensor`` row; its queries are
+    the request's last positions, as in vLLM's backends. A wrong slot, block
+    or draft position changes the drafts that follow.
+    """
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None, *args, prefix: str = "",
+                 **kwargs):  # fmt: skip
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.layer_name = prefix
+        self.kv_cache: torch.Tensor | None = None
+        context = get_current_vllm_config().compilation_config.static_forward_context
+        if prefix in context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        context[prefix] = self
+
+    def get_attn_backend(self):
+        from tests.serving.v2_runner import PrefixMixerBackend
+
+        return PrefixMixerBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> FullAttentionSpec:
+        return FullAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=self.num_kv_heads,
+            head_size=self.head_size,
+            dtype=tiny_k3.DTYPE,
+        )
+
+    def attend(self, q, keys, values, first: int) -> torch.Tensor:
+        """Queries at positions ``first, first + 1, ...`` over keys and
+        values at positions ``0 .. len(keys) - 1``."""
+        group = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * self.scale
+        query_pos = first + torch.arange(q.shape[0])[:, None]
+        future = torch.arange(keys.shape[0])[None, :] > query_pos
+        scores = scores.masked_fill(future, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+    def forward(self, query, key, value, output_shape=None) -> torch.Tensor:
+        size = self.head_size
+        q = query.view(-1, self.num_heads, size)
+        k = key.view(-1, self.num_kv_heads, size)
+        v = value.view(-1, self.num_kv_heads, size)
+        out = torch.zeros_like(q)
+        metadata = get_forward_context().attn_metadata
+        if not isinstance(metadata, dict) or self.layer_name not in metadata:
+            # Runs without attention metadata: the batch as one sequence.
+            return self.attend(q, k, v, 0).reshape(q.shape[0], -1)
+        common = metadata[self.layer_name]
+        num_tokens = common.num_actual_tokens
+        cache = self.kv_cache
+        block = cache.shape[2]
+        slot_mapping = common.slot_mapping[:num_tokens]
+        written = slot_mapping >= 0
+        where = slot_mapping[written]
+        cache[where // block, :, where % block, :size] = k[:num_tokens][written]
+        cache[where // block, :, where % block, size:] = v[:num_tokens][written]
+        starts = common.query_start_loc_cpu.tolist()
+        for b in range(common.num_reqs):
+            start, end = starts[b], starts[b + 1]
+            if end == start:
+                continue
+            seq_len = int(common.seq_lens[b])
+            history = torch.arange(seq_len)
+            blocks = common.block_table_tensor[b, history // block].long()
+            slots = cache[blocks, :, history % block]
+            out[start:end] = self.attend(
+                q[start:end],
+                slots[..., :size],
+                slots[..., size:],
+                seq_len - (end - start),
+            )
+        return out.reshape(q.shape[0], -1)
+
+
+def drafter_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The full-size tensor for the drafter's parameter ``name``: seeded as
+    the test bed seeds every weight, with three changes that make its drafts
+    worth verifying and tied to the aux states. The input embedding and the
+    LM head take the target's values; ``fc``, which combines the taps
+    ``[1 | 2 | 4]``, adds the identity on tap 4 (the target's final residual
+    stream, which its LM head reads) and on tap 1 (the one the middle stage
+    of a PP3 layout relays) to its random weights; and the drafter layer's
+    output projections are damped, so its result stays close to that
+    combination. The drafter then often proposes what the tiny K3's
+    repetitive greedy completions accept, and a wrong row of tap 1 changes
+    its drafts and how many are accepted."""
+    targets = {
+        "model.embed_tokens.weight": "embed_tokens.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+    weight = tiny_k3.full_weight(targets.get(name, name), shape, seed)
+    if name == "model.fc.weight":
+        eye = torch.eye(tiny_k3.HIDDEN, dtype=weight.dtype)
+        weight[:, -tiny_k3.HIDDEN :] += eye
+        weight[:, : tiny_k3.HIDDEN] += eye
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        weight = weight * DAMPING
+    return weight
+
+
+def seed_drafter(drafter: nn.Module, seed: int) -> None:
+    """Give every parameter its slice of :func:`drafter_weight`'s tensor
+    through its own ``weight_loader`` (as ``tiny_k3.load_seeded_weights``
+    does), then process the weights after loading. As vLLM's loader does for
+    each weight a checkpoint holds, ``process_eagle_weight`` notes that the
+    drafter has its own embedding and LM head (vLLM then shares the target's
+    embedding where the target holds one and it is equal: PP = 1)."""
+    from vllm.model_executor.layers.linear import LinearBase
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        VocabParallelEmbedding,
+    )
+    from vllm.model_executor.models.utils import process_eagle_weight
+
+    for module_name, module in drafter.named_modules():
+        for param_name, param in module.named_parameters(recurse=False):
+            name = f"{module_name}.{param_name}" if module_name else param_name
+            loader = getattr(param, "weight_loader", None)
+            if isinstance(module, LinearBase) and param_name == "weight":
+                shape = (module.output_size, module.input_size)
+            elif isinstance(module, VocabParallelEmbedding):
+                shape = (module.org_vocab_size, module.embedding_dim)
+            else:
+                shape, loader = tuple(param.shape), None
+            weight = drafter_weight(name, shape, seed)
+            if loader is None:
+                param.data.copy_(weight)
+            else:
+                loader(param, weight)
+            process_eagle_weight(drafter, name)
+    for module in drafter.modules():
+        quant_method = getattr(module, "quant_method", None)
+        if quant_method is not None:
+            quant_method.process_weights_after_loading(module)
+
+
+@contextlib.contextmanager
+def drafter_loader(seed: int):
+    """While it is open, vLLM's ``load_eagle_model`` builds the drafter with
+    vLLM's ``initialize_model`` (the class the draft config names), the
+    attention stand-in in place of ``Attention``, and seeded weights."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.model_executor.models import llama
+    from vllm.v1.worker.gpu.spec_decode.eagle import utils as eagle_utils
+
+    def get_model(*, vllm_config, model_config=None, prefix: str = "", **kwargs):
+        dtype = torch.get_default_dtype()
+        attention = llama.Attention
+        compilation = vllm_config.compilation_config
+        custom_ops = compilation.custom_ops
+        llama.Attention = PagedCausalAttention
+        # vLLM's native torch ops (the CPU ones are vllm._C's, which the CUDA
+        # wheel lacks), as the test bed builds the target.
+        compilation.custom_ops = ["none"]
+        torch.set_default_dtype(tiny_k3.DTYPE)
+        try:
+            with torch.no_grad():
+                drafter = initialize_model(
+                    vllm_config, prefix=prefix, model_config=model_config
+                )
+                seed_drafter(drafter, seed)
+        finally:
+            llama.Attention = attention
+            compilation.custom_ops = custom_ops
+            torch.set_default_dtype(dtype)
+        return drafter.eval()
+
+    saved = eagle_utils.get_model
+    eagle_utils.get_model = get_model
+    try:
+        yield
+    finally:
+        eagle_utils.get_model = saved
+
+
+# What a drafter server's log says, per rank: the aux slots its PP handler
+# relays (a middle stage's are the earlier stages' taps), and on the last
+# stage's first TP rank, each step's drafts of every request, by prompt.
+RELAY_LOG = "EAGLE-3 relay: PP stage"
+DRAFTS_LOG = "EAGLE-3 drafts"
+
+
+def log_drafts_and_relay(runner) -> None:
+    """Log what the V2 runner ``runner`` relays, and wrap its speculator's
+    ``propose`` to log the drafts of every real step (``json``: the
+    request's prompt and its drafts)."""
+    pp = get_pp_group()
+    handler = runner.pp_handler
+    logger.info(
+        "%s %d relays %s",
+        RELAY_LOG,
+        pp.rank_in_group,
+        list(handler.aux_hidden_state_relay_keys) if handler is not None else [],
+    )
+    speculator = runner.speculator
+    if speculator is None or get_tensor_model_parallel_rank() != 0:
+        return
+    propose = speculator.propose
+
+    def logged_propose(input_batch, *args, **kwargs):
+        drafts = propose(input_batch, *args, **kwargs)
+        if kwargs.get("dummy_run"):
+            return drafts
+        prompts = getattr(runner, "prompts", {})
+        for req_id, row in zip(input_batch.req_ids, drafts.tolist(), strict=False):
+            if req_id in prompts:
+                record = {"prompt": prompts[req_id], "drafts": row}
+                logger.info("%s %s", DRAFTS_LOG, json.dumps(record))
+        return drafts
+
+    speculator.propose = logged_propose
