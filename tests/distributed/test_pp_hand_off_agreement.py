@@ -41,9 +41,7 @@ from vllm.v1.worker.pp_hand_off_agreement import check_pp_hand_off_agreement
 
 if HAS_LEGACY_RUNNER:
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-    from vllm.v1.worker.pp_hand_off_agreement import (
-        check_aux_layers_on_the_last_stage,
-    )
+    from vllm.v1.worker.pp_hand_off_runner import check_aux_layers_on_the_last_stage
 
 # The runners this vLLM has: 0.34.0 deleted the legacy one.
 RUNNERS = ("legacy", "v2") if HAS_LEGACY_RUNNER else ("v2",)

@@ -174,29 +174,20 @@ class PagedCausalAttention(nn.Module, AttentionLayerBase):
         if not isinstance(metadata, dict) or self.layer_name not in metadata:
             # Runs without attention metadata: the batch as one sequence.
             return self.attend(q, k, v, 0).reshape(q.shape[0], -1)
+        from tests.serving.v2_runner import new_token_slots, request_histories
+
         common = metadata[self.layer_name]
-        num_tokens = common.num_actual_tokens
         cache = self.kv_cache
-        block = cache.shape[2]
-        slot_mapping = common.slot_mapping[:num_tokens]
-        written = slot_mapping >= 0
-        where = slot_mapping[written]
-        cache[where // block, :, where % block, :size] = k[:num_tokens][written]
-        cache[where // block, :, where % block, size:] = v[:num_tokens][written]
-        starts = common.query_start_loc_cpu.tolist()
-        for b in range(common.num_reqs):
-            start, end = starts[b], starts[b + 1]
-            if end == start:
-                continue
-            seq_len = int(common.seq_lens[b])
-            history = torch.arange(seq_len)
-            blocks = common.block_table_tensor[b, history // block].long()
-            slots = cache[blocks, :, history % block]
+        rows, blocks, offsets = new_token_slots(common, cache.shape[2])
+        cache[blocks, :, offsets, :size] = k[rows]
+        cache[blocks, :, offsets, size:] = v[rows]
+        for start, end, blocks, offsets in request_histories(common, cache.shape[2]):
+            slots = cache[blocks, :, offsets]
             out[start:end] = self.attend(
                 q[start:end],
                 slots[..., :size],
                 slots[..., size:],
-                seq_len - (end - start),
+                len(offsets) - (end - start),
             )
         return out.reshape(q.shape[0], -1)
 
@@ -229,37 +220,19 @@ def drafter_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor
 
 def seed_drafter(drafter: nn.Module, seed: int) -> None:
     """Give every parameter its slice of :func:`drafter_weight`'s tensor
-    through its own ``weight_loader`` (as ``tiny_k3.load_seeded_weights``
-    does), then process the weights after loading. As vLLM's loader does for
+    through its own ``weight_loader`` (``tiny_k3.load_seeded_weights``),
+    then process the weights after loading. As vLLM's loader does for
     each weight a checkpoint holds, ``process_eagle_weight`` notes that the
     drafter has its own embedding and LM head (vLLM then shares the target's
     embedding where the target holds one and it is equal: PP = 1)."""
-    from vllm.model_executor.layers.linear import LinearBase
-    from vllm.model_executor.layers.vocab_parallel_embedding import (
-        VocabParallelEmbedding,
-    )
     from vllm.model_executor.models.utils import process_eagle_weight
 
-    for module_name, module in drafter.named_modules():
-        for param_name, param in module.named_parameters(recurse=False):
-            name = f"{module_name}.{param_name}" if module_name else param_name
-            loader = getattr(param, "weight_loader", None)
-            if isinstance(module, LinearBase) and param_name == "weight":
-                shape = (module.output_size, module.input_size)
-            elif isinstance(module, VocabParallelEmbedding):
-                shape = (module.org_vocab_size, module.embedding_dim)
-            else:
-                shape, loader = tuple(param.shape), None
-            weight = drafter_weight(name, shape, seed)
-            if loader is None:
-                param.data.copy_(weight)
-            else:
-                loader(param, weight)
-            process_eagle_weight(drafter, name)
-    for module in drafter.modules():
-        quant_method = getattr(module, "quant_method", None)
-        if quant_method is not None:
-            quant_method.process_weights_after_loading(module)
+    tiny_k3.load_seeded_weights(
+        drafter,
+        seed,
+        weight=drafter_weight,
+        loaded=lambda name: process_eagle_weight(drafter, name),
+    )
 
 
 @contextlib.contextmanager

@@ -39,6 +39,7 @@ What is stood in, below the runner:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -98,6 +99,34 @@ class PrefixMixerBackend(AttentionBackend):
         return PrefixMixerMetadataBuilder
 
 
+def new_token_slots(
+    common, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """This step's tokens that have a KV cache slot (padding has none): their
+    rows, and the block and offset of each slot."""
+    slot_mapping = common.slot_mapping[: common.num_actual_tokens]
+    rows = torch.nonzero(slot_mapping >= 0).flatten()
+    where = slot_mapping[rows]
+    return rows, where // block_size, where % block_size
+
+
+def request_histories(
+    common, block_size: int
+) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    """Per request with tokens in this step: its rows ``start:end``, and the
+    block and offset of each of its positions so far, through its block
+    table (this step's tokens included, once :func:`new_token_slots` wrote
+    them)."""
+    starts = common.query_start_loc_cpu.tolist()
+    for b in range(common.num_reqs):
+        start, end = starts[b], starts[b + 1]
+        if end == start:
+            continue
+        history = torch.arange(int(common.seq_lens[b]))
+        blocks = common.block_table_tensor[b, history // block_size].long()
+        yield start, end, blocks, history % block_size
+
+
 class PagedPrefixMixer(nn.Module, AttentionLayerBase):
     """Attention stand-in over vLLM's paged KV cache: the token at position
     ``p`` of a request gets the mean over positions ``0..p`` of that
@@ -139,23 +168,12 @@ class PagedPrefixMixer(nn.Module, AttentionLayerBase):
             # Runs without attention metadata: the batch as one sequence.
             return torch.cumsum(values, 0) / count[:, None]
         common = metadata[self.layer_name]
-        num_tokens = common.num_actual_tokens
         slots = self.slots()
-        size = slots.shape[1]
-        slot_mapping = common.slot_mapping[:num_tokens]
-        written = slot_mapping >= 0
-        where = slot_mapping[written]
-        slots[where // size, where % size] = values[:num_tokens][written]
+        rows, blocks, offsets = new_token_slots(common, slots.shape[1])
+        slots[blocks, offsets] = values[rows]
         out = torch.zeros_like(values)
-        starts = common.query_start_loc_cpu.tolist()
-        for b in range(common.num_reqs):
-            start, end = starts[b], starts[b + 1]
-            if end == start:
-                continue
-            seq_len = int(common.seq_lens[b])
-            history = torch.arange(seq_len)
-            blocks = common.block_table_tensor[b, history // size].long()
-            sums = torch.cumsum(slots[blocks, history % size], 0)
+        for start, end, blocks, offsets in request_histories(common, slots.shape[1]):
+            sums = torch.cumsum(slots[blocks, offsets], 0)
             query = positions[start:end].long()
             out[start:end] = sums[query] / count[start:end, None]
         return out

@@ -34,7 +34,7 @@ import contextlib
 import copy
 import types
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -470,8 +470,16 @@ def full_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
     return values / shape[-1] ** 0.5
 
 
-def load_seeded_weights(model: nn.Module, seed: int) -> None:
-    """Give every parameter its slice of the seeded full model."""
+def load_seeded_weights(
+    model: nn.Module,
+    seed: int,
+    weight: Callable[[str, tuple[int, ...], int], torch.Tensor] = full_weight,
+    loaded: Callable[[str], None] | None = None,
+) -> None:
+    """Give every parameter its slice of the seeded full model (``weight``'s
+    tensor for its name and full shape) through its own ``weight_loader``;
+    ``loaded`` is told each name once it is loaded, as vLLM's loaders tell a
+    model of each checkpoint weight."""
     for module_name, module in model.named_modules():
         for param_name, param in module.named_parameters(recurse=False):
             name = f"{module_name}.{param_name}" if module_name else param_name
@@ -482,11 +490,13 @@ def load_seeded_weights(model: nn.Module, seed: int) -> None:
                 shape = (module.org_vocab_size, module.embedding_dim)
             else:
                 shape, loader = tuple(param.shape), None
-            tensor = full_weight(name, shape, seed)
+            tensor = weight(name, shape, seed)
             if loader is None:
                 param.data.copy_(tensor)
             else:
                 loader(param, tensor)
+            if loaded is not None:
+                loaded(name)
     for module in model.modules():
         quant_method = getattr(module, "quant_method", None)
         if quant_method is not None:

@@ -102,11 +102,9 @@ def measure(
     max_num_batched_tokens: int,
     repeat: int,
 ) -> dict[str, float | int]:
-    from vllm.v1.worker.pp_hand_off_agreement import (
-        RunnerPadding,
-        batch_shapes,
-        hand_off_rows,
-    )
+    from vllm.v1.worker.pp_hand_off_agreement import hand_off_rows
+    from vllm.v1.worker.pp_hand_off_runner import RunnerPadding
+    from vllm.v1.worker.pp_hand_off_shapes import batch_shapes
 
     config, manager = sm100_manager(spec, max_num_seqs, max_num_batched_tokens)
     padding = RunnerPadding(config, types.SimpleNamespace(cudagraph_manager=manager))

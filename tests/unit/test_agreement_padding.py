@@ -64,7 +64,7 @@ def stage():
     """A middle stage with SM100's default graph sizes for 256 requests and
     uniform decodes of 2, 3 and 4 tokens (speculative decoding of 1 to 3
     tokens), as the agreement sees it."""
-    from vllm.v1.worker.pp_hand_off_agreement import RunnerPadding
+    from vllm.v1.worker.pp_hand_off_runner import RunnerPadding
 
     config, manager = agreement_cost.sm100_manager(
         spec=(1, 2, 3), max_num_seqs=256, max_num_batched_tokens=2048
@@ -81,7 +81,8 @@ def test_the_agreement_asks_the_runners_own_graph_manager(stage):
 
 
 def test_every_batch_pads_as_the_shipped_dispatch_pads_it(stage):
-    from vllm.v1.worker.pp_hand_off_agreement import batch_shapes, hand_off_rows
+    from vllm.v1.worker.pp_hand_off_agreement import hand_off_rows
+    from vllm.v1.worker.pp_hand_off_shapes import batch_shapes
 
     dispatch = shipped_dispatch()
     padding, manager = stage.padding, stage.manager
@@ -118,7 +119,7 @@ def test_every_batch_pads_as_the_shipped_dispatch_pads_it(stage):
 
 def test_uniform_decodes_take_their_request_count_graph(stage):
     """The case named above, as the agreement reports it."""
-    from vllm.v1.worker.pp_hand_off_agreement import BatchShape
+    from vllm.v1.worker.pp_hand_off_shapes import BatchShape
 
     padding = stage.padding
     assert padding.padded_num_tokens(BatchShape(6, 3, 2, 2)) == 6
@@ -130,7 +131,7 @@ def test_uniform_decodes_take_their_request_count_graph(stage):
 def test_the_enumeration_cost_tool_times_what_the_agreement_runs():
     """tests/unit/agreement_cost.py at a small size: the shapes it times are
     the agreement's own enumeration."""
-    from vllm.v1.worker.pp_hand_off_agreement import ShapeBounds, batch_shapes
+    from vllm.v1.worker.pp_hand_off_shapes import ShapeBounds, batch_shapes
 
     result = agreement_cost.measure(
         spec=(1,), max_num_seqs=8, max_num_batched_tokens=64, repeat=1

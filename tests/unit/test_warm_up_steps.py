@@ -18,7 +18,7 @@ import torch
 from tests.sppp_testbed.bases import only_from_0_34
 from tests.sppp_testbed.tiny_k3 import scenario_config
 from vllm.utils.math_utils import cdiv
-from vllm.v1.worker import pp_hand_off_agreement
+from vllm.v1.worker import pp_hand_off_runner
 from vllm.v1.worker.gpu import warmup
 
 pytestmark = only_from_0_34(
@@ -125,7 +125,7 @@ def test_sizing_steps_are_alike_exactly_where_warm_up_steps_says(
         config.model_config.max_model_len = max_model_len
         config.scheduler_config.max_num_seqs = max_num_seqs
         config.scheduler_config.max_num_batched_tokens = budget
-        predicted = pp_hand_off_agreement.warm_up_steps(config, decode_query_len)[
+        predicted = pp_hand_off_runner.warm_up_steps(config, decode_query_len)[
             "kv_cache_sizing"
         ]
         steps = recorded_steps(decode_query_len)
@@ -153,7 +153,7 @@ def test_kernel_warm_up_requests_are_vllms_own_cap(config):
         want = warmup._cap_num_warmup_reqs(
             runner, max_num_seqs, max(decode_query_len + 1, decode_query_len)
         )
-        assert pp_hand_off_agreement.warm_up_steps(config, decode_query_len) == {
+        assert pp_hand_off_runner.warm_up_steps(config, decode_query_len) == {
             "kernel_warm_up": (1, want, decode_query_len)
         }
 
@@ -186,9 +186,7 @@ def test_sizing_steps_with_spec_decode_are_what_warm_up_steps_says(
             config.model_config.max_model_len = max_model_len
             config.scheduler_config.max_num_seqs = max_num_seqs
             config.scheduler_config.max_num_batched_tokens = budget
-            predicted = pp_hand_off_agreement.warm_up_steps(config, 3)[
-                "kv_cache_sizing"
-            ]
+            predicted = pp_hand_off_runner.warm_up_steps(config, 3)["kv_cache_sizing"]
             steps = recorded_steps(3, num_spec_steps=2)
             assert [step for step in predicted if step] == steps, (
                 max_model_len,
@@ -230,7 +228,7 @@ def test_kernel_warm_up_with_spec_decode_is_two_passes_of_vllms_cap(
             want = warmup._cap_num_warmup_reqs(
                 runner, max_num_seqs, decode_query_len + 1
             )
-            assert pp_hand_off_agreement.warm_up_steps(config, decode_query_len) == {
+            assert pp_hand_off_runner.warm_up_steps(config, decode_query_len) == {
                 "kernel_warm_up": (len(passes), want, decode_query_len)
             }
     assert passes == [False, True]

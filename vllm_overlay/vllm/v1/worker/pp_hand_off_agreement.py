@@ -31,14 +31,23 @@ from vllm.model_executor.models.interfaces import (
     get_pp_all_gather_overrides,
     get_pp_num_rows,
 )
-from vllm.utils.math_utils import cdiv
-from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
+from vllm.v1.worker.pp_hand_off_runner import (
+    RUNNER_OPTIONS,
+    RunnerPadding,
+    runner_settings,
+)
+from vllm.v1.worker.pp_hand_off_shapes import (
+    BatchShape,
+    aux_hidden_state_layers,
+    batch_shapes,
+)
 from vllm.v1.worker.pp_intermediate_tensors import accepts_hand_off
 from vllm.v1.worker.pp_stage_announcement import announce_and_wait
 
 logger = init_logger(__name__)
 
-# The command-line options behind each value, named in the error.
+# The command-line options behind each value, named in the error (the
+# runner's settings: RUNNER_OPTIONS).
 OPTIONS: dict[str, tuple[str, ...]] = {
     "sequence_parallel": (
         "--kernel-config",
@@ -54,19 +63,6 @@ OPTIONS: dict[str, tuple[str, ...]] = {
         "--speculative-config (eagle_aux_hidden_state_layer_ids)",
         "VLLM_PP_LAYER_PARTITION",
     ),
-    "warm_up": (
-        "--kernel-config (enable_jit_warmup)",
-        "--enable-extensible-kv-cache (--kv-cache-memory-bytes)",
-        "--speculative-config",
-        "--max-num-batched-tokens",
-        "--max-num-seqs",
-    ),
-    "kv_cache_sizing": (
-        "--enable-extensible-kv-cache (--kv-cache-memory-bytes)",
-        "--max-model-len",
-        "--max-logprobs",
-    ),
-    "warm_up_steps": ("--speculative-config",),
     "batch_padding": (
         "--compilation-config",
         "--max-cudagraph-capture-size",
@@ -86,7 +82,9 @@ OPTIONS: dict[str, tuple[str, ...]] = {
     "aux_hidden_state_layers": (
         "--speculative-config (eagle_aux_hidden_state_layer_ids)",
     ),
+    **RUNNER_OPTIONS,
 }
+
 
 # Compared as they are: a difference breaks the hand-off.
 REFUSED = ("sequence_parallel", "all_gather_tensors")
@@ -116,151 +114,6 @@ CUDAGRAPH_MODE_HINT = (
 )
 
 
-@dataclass(frozen=True)
-class BatchShape:
-    """A batch the scheduler hands every stage alike."""
-
-    num_tokens: int
-    num_reqs: int
-    # Tokens per request of a uniform decode batch.
-    uniform_token_count: int | None = None
-    # The longest request's tokens; None for a batch that holds a prefill.
-    max_query_len: int | None = None
-    num_active_loras: int = 0
-
-    def __str__(self) -> str:
-        if self.uniform_token_count is not None:
-            kind = f"a uniform decode of {self.uniform_token_count} per request"
-        elif self.max_query_len is not None:
-            kind = f"decodes of up to {self.max_query_len} tokens"
-        else:
-            kind = "with a prefill"
-        if self.uniform_token_count is None and self.num_reqs > cdiv(
-            self.num_tokens, self.max_query_len or self.num_tokens
-        ):
-            kind += f", {self.num_reqs} requests"
-        loras = f", {self.num_active_loras} LoRA(s)" if self.num_active_loras else ""
-        return f"a batch of {self.num_tokens} tokens ({kind}{loras})"
-
-
-@dataclass(frozen=True)
-class ShapeBounds:
-    """What bounds the batches one stage's runner pads."""
-
-    # CUDA graphs pad no batch above this many tokens (0: no graphs).
-    max_num_tokens: int
-    # The runner's decode query length.
-    max_query_len: int
-    lora_counts: tuple[int, ...]
-    # The most requests its graphs hold (--max-num-seqs). Stage 0 runs on
-    # the engine's node (rank 0): there also the most requests its scheduler
-    # puts in a batch, and the token budget the most tokens any step holds
-    # (the scheduler's batches and the warm-up and KV-sizing steps).
-    max_num_reqs: int
-    max_num_batched_tokens: int
-
-
-def batch_shapes(bounds: list[ShapeBounds]) -> list[BatchShape]:
-    """Every batch whose padding can differ between the stages of
-    ``bounds``: as many tokens as any stage's graphs pad and the scheduler
-    sends, and requests as the scheduler sends. A graph that bounds its
-    requests holds min(its tokens, its stage's max_num_seqs), and its tokens
-    are at least the batch's: only a stage's max_num_seqs decides whether a
-    batch's requests fit, so the fewest requests a batch can have and one
-    past each stage's limit stand for every request count."""
-    scheduler = bounds[0]
-    max_num_tokens = min(
-        max(b.max_num_tokens for b in bounds), scheduler.max_num_batched_tokens
-    )
-    max_query_len = max(b.max_query_len for b in bounds)
-    lora_counts = sorted({count for b in bounds for count in b.lora_counts})
-    past_limits = sorted({b.max_num_reqs + 1 for b in bounds})
-
-    def request_counts(num_tokens: int, least: int) -> list[int]:
-        most = min(num_tokens, scheduler.max_num_reqs)
-        return [n for n in (least, *past_limits) if least <= n <= most]
-
-    return [
-        shape
-        for num_tokens in range(1, max_num_tokens + 1)
-        for loras in lora_counts
-        for shape in (
-            *(
-                BatchShape(num_tokens, n, None, None, loras)
-                for n in request_counts(num_tokens, 1)
-            ),
-            *(
-                BatchShape(num_tokens, n, None, q, loras)
-                for q in range(1, max_query_len + 1)
-                for n in request_counts(num_tokens, cdiv(num_tokens, q))
-            ),
-            *(
-                BatchShape(num_tokens, num_tokens // q, q, q, loras)
-                for q in range(1, max_query_len + 1)
-                if num_tokens % q == 0 and num_tokens // q <= scheduler.max_num_reqs
-            ),
-        )
-    ]
-
-
-class RunnerPadding:
-    """How this stage's runner pads a batch: its CUDA graph dispatch, as it
-    resolved it (attention backends and a drafter may lower the requested
-    mode), known before any graph is captured."""
-
-    def __init__(self, vllm_config: VllmConfig, model_runner: object) -> None:
-        compilation_config = vllm_config.compilation_config
-        self.cudagraph_mode = compilation_config.cudagraph_mode
-        self.decode_query_len = 1 + vllm_config.num_speculative_tokens
-        self.manager: CudaGraphManager | None = None
-        manager = getattr(model_runner, "cudagraph_manager", None)
-        if isinstance(manager, CudaGraphManager):
-            self.manager = manager
-            self.cudagraph_mode = manager.cudagraph_mode
-            self.decode_query_len = manager.decode_query_len
-        scheduler_config = vllm_config.scheduler_config
-        lora_config = vllm_config.lora_config
-        self.bounds = ShapeBounds(
-            max_num_tokens=(
-                compilation_config.max_cudagraph_capture_size or 0
-                if self.cudagraph_mode
-                else 0
-            ),
-            max_query_len=self.decode_query_len,
-            lora_counts=tuple(range(lora_config.max_loras + 1 if lora_config else 1)),
-            max_num_reqs=scheduler_config.max_num_seqs,
-            max_num_batched_tokens=scheduler_config.max_num_batched_tokens,
-        )
-
-    def padded_num_tokens(self, shape: BatchShape) -> int:
-        if self.manager is not None:
-            desc = self.manager.find_candidate(
-                shape.num_reqs,
-                shape.num_tokens,
-                shape.uniform_token_count,
-                shape.num_active_loras,
-                shape.max_query_len,
-            )
-            return shape.num_tokens if desc is None else desc.num_tokens
-        return shape.num_tokens
-
-
-def aux_hidden_state_layers(model: nn.Module) -> tuple[tuple[int, ...], int, int]:
-    """The aux hidden-state layers that cross this stage's boundaries, and
-    its layer range. A model that does not relay taps across stages
-    (``supports_aux_hidden_states_over_pp``) captures its first one from what
-    it received and sends none, so none cross."""
-    for module in model.modules():
-        if isinstance(module, EagleModelMixin):
-            relays = module.supports_aux_hidden_states_over_pp
-            return (
-                tuple(module.aux_hidden_state_layers) if relays else (),
-                module.start_layer,
-                getattr(module, "end_layer", module.start_layer),
-            )
-    return (), 0, 0
-
-
 def pp_hand_off_settings(
     vllm_config: VllmConfig, model: nn.Module, padding: RunnerPadding
 ) -> dict[str, Any]:
@@ -269,8 +122,6 @@ def pp_hand_off_settings(
     overrides = get_pp_all_gather_overrides(model) or {}
     layers, start, end = aux_hidden_state_layers(model)
     aux_key = EagleModelMixin.AUX_HIDDEN_STATE_KEY
-    speculative_config = vllm_config.speculative_config
-    scheduler_config = vllm_config.scheduler_config
     return {
         # A model keeps stage outputs sequence parallel exactly when it
         # declares keys that are TP shards, not replicas.
@@ -281,23 +132,6 @@ def pp_hand_off_settings(
             for key, gather in overrides.items()
             if not key.startswith(aux_key)
         },
-        # What decides the warm-up steps, shown where the steps differ.
-        "warm_up": {
-            "enable_jit_warmup": vllm_config.kernel_config.enable_jit_warmup,
-            "enable_extensible_kv_cache": (
-                vllm_config.cache_config.enable_extensible_kv_cache
-            ),
-            "speculative_decoding": speculative_config is not None,
-            "num_speculative_tokens": vllm_config.num_speculative_tokens,
-            "max_num_batched_tokens": scheduler_config.max_num_batched_tokens,
-            "max_num_seqs": scheduler_config.max_num_seqs,
-        },
-        "kv_cache_sizing": {
-            "max_model_len": vllm_config.model_config.max_model_len,
-            "max_logprobs": vllm_config.model_config.max_logprobs,
-        },
-        # The steps themselves: compared.
-        "warm_up_steps": warm_up_steps(vllm_config, padding.decode_query_len),
         # A stage relays every aux state captured up to its last boundary and
         # expects those captured up to its first.
         "aux_slots_received": (
@@ -314,120 +148,8 @@ def pp_hand_off_settings(
         "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
         "moe_backend": vllm_config.kernel_config.moe_backend,
         "enable_expert_parallel": vllm_config.parallel_config.enable_expert_parallel,
-        "aux_hidden_state_layers": layers,
+        **runner_settings(vllm_config, padding, layers),
     }
-
-
-def warm_up_steps(
-    vllm_config: VllmConfig, decode_query_len: int
-) -> dict[str, Any] | None:
-    """The warm-up steps this stage runs through the worker, and so through
-    every PP boundary, before serving (``gpu/warmup.py``): the kernel
-    warm-up (JIT warm-up or the extensible KV cache; a second, greedy pass
-    with spec decode) as its passes, requests and the runner's decode query
-    length, which fix its steps, and the extensible KV cache's sizing steps
-    as the tokens each request schedules. Stages that run other steps send
-    what no neighbour receives. The caps by KV blocks are left out: vLLM
-    takes them alike on every rank (the engine's block count,
-    ``_min_across_ranks``)."""
-    cache_config = vllm_config.cache_config
-    extensible = cache_config.enable_extensible_kv_cache
-    if not (vllm_config.kernel_config.enable_jit_warmup or extensible):
-        return None
-    scheduler_config = vllm_config.scheduler_config
-    speculative_config = vllm_config.speculative_config
-    budget = scheduler_config.max_num_batched_tokens
-    max_num_reqs = scheduler_config.max_num_seqs
-    draft_slots = (
-        0
-        if speculative_config is None
-        else speculative_config.max_num_new_slots_for_drafting
-    )
-    steps: dict[str, Any] = {
-        "kernel_warm_up": (
-            1 + (speculative_config is not None),
-            min(max_num_reqs, budget // (decode_query_len + 1 + draft_slots)),
-            decode_query_len,
-        )
-    }
-    if not extensible:
-        return steps
-    model_config = vllm_config.model_config
-    max_model_len = model_config.max_model_len
-    sizing = []
-    max_prompt_len = min(budget, max_model_len)
-    if model_config.max_logprobs != 0 and max_prompt_len < budget and max_num_reqs > 1:
-        sizing.append(max_prompt_len)
-    sizing.append(budget)
-    steps["kv_cache_sizing"] = [
-        _sizing_step(vllm_config, num_tokens, decode_query_len, draft_slots)
-        for num_tokens in sizing
-    ]
-    if model_config.use_mla:
-        steps["kv_cache_sizing"].append(
-            _context_prefill_step(vllm_config, decode_query_len + 1, draft_slots)
-        )
-    return steps
-
-
-def _sizing_step(
-    vllm_config: VllmConfig, num_tokens: int, decode_query_len: int, draft_slots: int
-) -> tuple[int, ...]:
-    """The tokens each request schedules in a mixed prefill and decode
-    sizing step of ``num_tokens`` (``run_mixed_prefill_decode_warmup``, with
-    its prefill-only fallback): prompts of at most ``max_model_len - 1``,
-    a decode beside them where a request slot is left."""
-    max_num_reqs = vllm_config.scheduler_config.max_num_seqs
-    max_prefill_len = vllm_config.model_config.max_model_len - 1
-    if vllm_config.speculative_config is None:
-        decode_query_len = 1
-    with_decode = (
-        max_num_reqs >= 2
-        and cdiv(num_tokens - decode_query_len, max_prefill_len) < max_num_reqs
-    )
-    decode_tokens = decode_query_len if with_decode else 0
-    num_prefills = min(
-        cdiv(num_tokens - decode_tokens, max_prefill_len),
-        max_num_reqs - with_decode,
-    )
-    num_tokens = min(num_tokens, decode_tokens + num_prefills * max_prefill_len)
-    if vllm_config.speculative_config is not None:
-        num_tokens = min(
-            num_tokens,
-            vllm_config.scheduler_config.max_num_batched_tokens
-            - (with_decode + num_prefills) * draft_slots,
-        )
-    if num_tokens < 3:
-        return ()
-    prefill_tokens = num_tokens - decode_tokens
-    return (decode_tokens,) * with_decode + tuple(
-        min(max_prefill_len, prefill_tokens - start)
-        for start in range(0, prefill_tokens, max_prefill_len)
-    )
-
-
-def _context_prefill_step(
-    vllm_config: VllmConfig, query_len: int, draft_slots: int
-) -> tuple[int, ...]:
-    """MLA's context-prefill sizing step (``run_context_prefill_warmup``):
-    requests of ``query_len`` tokens over one chunked-context workspace."""
-    from vllm.model_executor.layers.attention.mla_attention import (
-        MLACommonMetadataBuilder,
-    )
-
-    workspace = MLACommonMetadataBuilder.determine_chunked_prefill_workspace_size(
-        vllm_config
-    )
-    context_len = min(vllm_config.model_config.max_model_len - query_len - 1, workspace)
-    if context_len <= 0:
-        return ()
-    num_reqs = min(
-        cdiv(workspace, context_len),
-        vllm_config.scheduler_config.max_num_seqs,
-        vllm_config.scheduler_config.max_num_batched_tokens
-        // (query_len + draft_slots),
-    )
-    return (query_len,) * num_reqs
 
 
 def hand_off_rows(
