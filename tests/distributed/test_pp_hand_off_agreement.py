@@ -794,6 +794,13 @@ def test_stages_that_would_warm_up_differently_are_refused(pool, base):
             "--kernel-config (enable_jit_warmup), ",
             "--speculative-config",
         )
+    # Stage 0 runs none: its steps (none) are compared as any others.
+    assert_refused_everywhere(
+        run_stages(pool, dataclasses.replace(v2, enable_jit_warmup=False), v2),
+        "warm_up: stage 0={'enable_jit_warmup': False, ",
+        "stage 1={'enable_jit_warmup': True, ",
+        "--kernel-config (enable_jit_warmup)",
+    )
     # Without the JIT warm-up (and, on 0.34.0, the extensible KV cache) no
     # stage runs warm-up steps: what would size them may differ.
     quiet = dataclasses.replace(v2, enable_jit_warmup=False)
