@@ -32,7 +32,10 @@ from vllm.config import (
     set_current_vllm_config,
 )
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
-from vllm.model_executor.models.interfaces import EagleModelMixin
+from vllm.model_executor.models.interfaces import (
+    EagleModelMixin,
+    get_pp_all_gather_overrides,
+)
 from vllm.platforms import current_platform
 from vllm.v1.worker import pp_hand_off_agreement
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
@@ -92,6 +95,10 @@ class StageFlags:
     plain_model: bool = False
     # The stage cannot compute its settings (a planted error).
     broken: bool = False
+    # The worker's all_gather_tensors were taken before the aux layers were
+    # set (a stale declaration): its transport would treat aux keys as
+    # replicas.
+    stale_declaration: bool = False
     # The stage's runner dispatches with a signature of its own (an
     # out-of-tree dispatcher): its padding cannot be asked.
     foreign_dispatch: bool = False
@@ -225,16 +232,22 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
         ):
             if flags.plain_model:
                 model = torch.nn.Linear(1, 1)
+                all_gather_tensors = get_pp_all_gather_overrides(model)
             else:
                 model = build_model(config)
+                if flags.stale_declaration:
+                    all_gather_tensors = get_pp_all_gather_overrides(model)
                 model._set_aux_hidden_state_layers(flags.aux_layers)
                 relays_aux(model, flags.relays_aux)
+                if not flags.stale_declaration:
+                    # What the worker takes once the runner has loaded it.
+                    all_gather_tensors = get_pp_all_gather_overrides(model)
             if flags.broken:
 
-                def broken() -> dict[str, bool]:
+                def broken(num_tokens: int) -> int:
                     raise RuntimeError("planted: this stage cannot answer")
 
-                model.get_pp_intermediate_tensor_all_gather_overrides = broken
+                model.get_pp_intermediate_tensor_num_rows = broken
             if flags.num_speculative_tokens:
                 # Only the count matters to the hand-off; no drafter is built
                 # here. K3's drafter is its one-module MTP (on 0.34.0 its
@@ -265,7 +278,7 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
                 else:  # a graph manager of its own, with another signature
                     runner.cudagraph_manager.find_candidate = foreign
             try:
-                check_pp_hand_off_agreement(config, model, runner)
+                check_pp_hand_off_agreement(config, model, runner, all_gather_tensors)
             except RuntimeError as error:
                 cause = f" [cause: {error.__cause__!r}]" if error.__cause__ else ""
                 return f"{error}{cause}", warnings
@@ -713,6 +726,33 @@ def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
     )
     for error in errors:
         assert "moe_backend" not in error and "cudagraph" not in error, error
+
+
+@topologies((2, 3))
+def test_aux_states_the_transport_would_take_for_replicas_are_refused(pool):
+    """Under SP an aux state is a shard: a transport that takes it for a TP
+    replica (the overrides taken before the aux layers were set) gives every
+    rank the same rows, stitched from a slice of each rank's shard, with the
+    right shape. Every stage refuses, naming each key on each stage whose
+    transport would scramble it; with the overrides taken after the layers,
+    the same stages start."""
+    v2 = dataclasses.replace(SP, runner="v2")
+    stale = dataclasses.replace(v2, stale_declaration=True)
+    errors = [error for error, _ in run_stages(pool, v2, stale, stale)]
+    keys = "aux_hidden_states_0, aux_hidden_states_1, aux_hidden_states_2"
+    assert errors == [
+        "Pipeline stages would hand aux hidden states over scrambled: "
+        f"stage 1: {keys}; stage 2: {keys} cross a stage boundary as TP "
+        "replicas (a 1/TP slice per rank, all-gathered on the receiver) while "
+        "the hidden states are sequence-parallel shards. The model's "
+        "get_pp_intermediate_tensor_all_gather_overrides() must map each aux "
+        "key that crosses a stage to False, and be asked after the aux layers "
+        "are set."
+    ] * (3 * pool.tp), errors
+    assert_started_everywhere(run_stages(pool, v2, v2, v2))
+    # Without SP every key is a replica: nothing to refuse.
+    no_sp = dataclasses.replace(NO_SP, runner="v2", stale_declaration=True)
+    assert_started_everywhere(run_stages(pool, no_sp, no_sp, no_sp))
 
 
 @topologies((2, 3))

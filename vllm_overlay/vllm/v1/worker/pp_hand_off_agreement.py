@@ -28,7 +28,6 @@ from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
 from vllm.model_executor.models.interfaces import (
     EagleModelMixin,
-    get_pp_all_gather_overrides,
     get_pp_num_rows,
 )
 from vllm.v1.worker.pp_hand_off_runner import (
@@ -115,29 +114,41 @@ CUDAGRAPH_MODE_HINT = (
 
 
 def pp_hand_off_settings(
-    vllm_config: VllmConfig, model: nn.Module, padding: RunnerPadding
+    vllm_config: VllmConfig,
+    model: nn.Module,
+    padding: RunnerPadding,
+    all_gather_tensors: dict[str, bool] | None,
 ) -> dict[str, Any]:
-    """What decides the shapes and the transport of this stage's hand-offs."""
+    """What decides the shapes and the transport of this stage's hand-offs;
+    ``all_gather_tensors`` is what the worker passes to every PP send and
+    receive."""
     pp_group = get_pp_group()
-    overrides = get_pp_all_gather_overrides(model) or {}
+    overrides = all_gather_tensors or {}
     layers, start, end = aux_hidden_state_layers(model)
     aux_key = EagleModelMixin.AUX_HIDDEN_STATE_KEY
+    # A stage relays every aux state captured up to its last boundary and
+    # expects those captured up to its first.
+    received = 0 if pp_group.is_first_rank else bisect_right(layers, start)
+    sent = 0 if pp_group.is_last_rank else bisect_right(layers, end)
+    # A model keeps stage outputs sequence parallel exactly when it declares
+    # keys that are TP shards, not replicas.
+    sequence_parallel = any(not gather for gather in overrides.values())
+    crossing = (f"{aux_key}{slot}" for slot in range(max(received, sent)))
     return {
-        # A model keeps stage outputs sequence parallel exactly when it
-        # declares keys that are TP shards, not replicas.
-        "sequence_parallel": any(not gather for gather in overrides.values()),
+        "sequence_parallel": sequence_parallel,
         # Aux slots are compared per boundary, below.
         "all_gather_tensors": {
             key: gather
             for key, gather in overrides.items()
             if not key.startswith(aux_key)
         },
-        # A stage relays every aux state captured up to its last boundary and
-        # expects those captured up to its first.
-        "aux_slots_received": (
-            0 if pp_group.is_first_rank else bisect_right(layers, start)
-        ),
-        "aux_slots_sent": 0 if pp_group.is_last_rank else bisect_right(layers, end),
+        "aux_slots_received": received,
+        "aux_slots_sent": sent,
+        # Under SP an aux state is a shard like the hidden states; the
+        # transport's default would send a 1/TP slice of it and all-gather.
+        "aux_keys_replicated": [
+            key for key in crossing if sequence_parallel and overrides.get(key, True)
+        ],
         "batch_shapes": padding.bounds,
         "cudagraph_mode": str(padding.cudagraph_mode),
         "cudagraph_capture_sizes": list(
@@ -223,6 +234,28 @@ def aux_slot_problems(everyone: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+def aux_transport_problem(everyone: list[dict[str, Any]]) -> str | None:
+    """Sequence-parallel stages whose transport would take an aux state that
+    crosses a boundary for a TP replica: every rank would receive the same
+    rows, stitched from each rank's slice of its own shard."""
+    replicated = [
+        f"stage {n}: {', '.join(s['aux_keys_replicated'])}"
+        for n, s in enumerate(everyone)
+        if s["aux_keys_replicated"]
+    ]
+    if not replicated:
+        return None
+    return (
+        "Pipeline stages would hand aux hidden states over scrambled: "
+        f"{'; '.join(replicated)} cross a stage boundary as TP replicas (a 1/TP "
+        "slice per rank, all-gathered on the receiver) while the hidden states "
+        "are sequence-parallel shards. The model's "
+        "get_pp_intermediate_tensor_all_gather_overrides() must map each aux "
+        "key that crosses a stage to False, and be asked after the aux layers "
+        "are set."
+    )
+
+
 def warm_up_problems(everyone: list[dict[str, Any]]) -> list[str]:
     """Warm-up steps that differ, shown by what decides them."""
     steps = [s["warm_up_steps"] for s in everyone]
@@ -254,10 +287,14 @@ def padding_problem(
 
 
 def check_pp_hand_off_agreement(
-    vllm_config: VllmConfig, model: nn.Module, model_runner: object
+    vllm_config: VllmConfig,
+    model: nn.Module,
+    model_runner: object,
+    all_gather_tensors: dict[str, bool] | None,
 ) -> None:
     """Raise on every stage unless all PP stages would hand off alike; log
-    the differences that cannot break a hand-off."""
+    the differences that cannot break a hand-off. ``all_gather_tensors`` is
+    what the worker passes to every PP send and receive."""
     if get_pp_group().world_size == 1:
         return
     # A silent or foreign stage would leave the rounds below waiting.
@@ -266,9 +303,11 @@ def check_pp_hand_off_agreement(
 
     def settings() -> dict[str, Any]:
         paddings.append(RunnerPadding(vllm_config, model_runner))
-        return pp_hand_off_settings(vllm_config, model, paddings[0])
+        return pp_hand_off_settings(vllm_config, model, paddings[0], all_gather_tensors)
 
     everyone = gather_from_stages(settings)
+    if scrambled := aux_transport_problem(everyone):
+        raise RuntimeError(scrambled)
     shapes = batch_shapes([s["batch_shapes"] for s in everyone])
     sequence_parallel = any(s["sequence_parallel"] for s in everyone)
     try:
