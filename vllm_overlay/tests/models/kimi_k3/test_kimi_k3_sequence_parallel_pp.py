@@ -257,9 +257,11 @@ METHODS = (
 
 
 def test_multimodal_wrapper_reaches_the_text_model(monkeypatch):
+    """The wrapper asks its text model each time: a drafter's aux layers,
+    set after the model is loaded (and after a first question), add keys."""
     monkeypatch.setattr(k3, "get_tensor_model_parallel_world_size", lambda: 8)
     text_model = types.SimpleNamespace(
-        use_sequence_parallel=True, aux_hidden_state_layers=(3,)
+        use_sequence_parallel=True, aux_hidden_state_layers=()
     )
     causal_lm = types.SimpleNamespace(model=text_model)
     for name in METHODS:
@@ -271,6 +273,12 @@ def test_multimodal_wrapper_reaches_the_text_model(monkeypatch):
     wrapper = object.__new__(k3.KimiK3ForConditionalGeneration)
     torch.nn.Module.__init__(wrapper)
     wrapper.language_model = causal_lm
+    assert get_pp_all_gather_overrides(wrapper) == {
+        "hidden_states": False,
+        "residual": False,
+    }
+    assert get_pp_num_rows(wrapper, 17) == 3
+    text_model.aux_hidden_state_layers = (3,)
     assert get_pp_all_gather_overrides(wrapper) == {
         "hidden_states": False,
         "residual": False,
