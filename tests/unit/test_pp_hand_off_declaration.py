@@ -194,3 +194,59 @@ def test_the_v2_runner_keeps_the_declaration_its_load_model_takes(monkeypatch):
     # What execute_model hands over with: the rows of the model's shard.
     assert runner._pp_hand_off.all_gather_tensors == {"hidden_states": False}
     assert runner._pp_hand_off.expected_rows(17) == 3
+
+
+class TapsAddKeys(torch.nn.Module, interfaces.SupportsEagle3):
+    """An EAGLE-3 target whose declared keys grow with the aux layers set on
+    it, as Kimi K3's do under SP."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.aux_layers: tuple[int, ...] = ()
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        self.aux_layers = layers
+
+    def get_eagle3_default_aux_hidden_state_layers(self) -> tuple[int, ...]:
+        return (1,)
+
+    def get_pp_intermediate_tensor_all_gather_overrides(self) -> dict[str, bool]:
+        aux = (f"aux_hidden_states_{slot}" for slot in range(len(self.aux_layers)))
+        return dict.fromkeys(("hidden_states", *aux), False)
+
+    def get_pp_intermediate_tensor_num_rows(self, num_tokens: int) -> int:
+        return -(-num_tokens // 2)
+
+
+@pytest.mark.skipif(not HAS_LEGACY_RUNNER, reason="vLLM 0.33.0's legacy runner")
+def test_the_legacy_runner_takes_the_declaration_after_the_aux_layers(monkeypatch):
+    """The legacy runner's own PP send (external launcher) uses the
+    declaration its load_model takes: taken before the EAGLE-3 aux layers,
+    it would send them as replicas while the worker receives them as
+    shards."""
+    from vllm.config import LoadConfig
+    from vllm.v1.worker import gpu_model_runner as legacy
+
+    def stop(*args):
+        raise ModelLoaded
+
+    # What load_model does next: look for the model's MoE layers.
+    monkeypatch.setattr(legacy, "get_mixture_of_experts_model", stop)
+    runner = object.__new__(legacy.GPUModelRunner)
+    runner.__dict__.update(
+        model_config=types.SimpleNamespace(model="k3"),
+        parallel_config=types.SimpleNamespace(enable_eplb=False),
+        load_config=LoadConfig(),
+        vllm_config=None,
+        jit_warmup_registry=types.SimpleNamespace(activate=contextlib.nullcontext),
+        lora_config=None,
+        use_aux_hidden_state_outputs=True,
+        _get_eagle3_aux_layers_from_config=lambda: (1, 3),
+    )
+    with pytest.raises(ModelLoaded):
+        runner.load_model(model=TapsAddKeys())
+    assert runner._pp_hand_off.all_gather_tensors == {
+        "hidden_states": False,
+        "aux_hidden_states_0": False,
+        "aux_hidden_states_1": False,
+    }
