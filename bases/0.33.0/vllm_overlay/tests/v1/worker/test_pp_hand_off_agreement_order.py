@@ -22,8 +22,10 @@ class Refused(Exception):
 def test_hand_off_agreement_is_checked_before_the_first_pp_send_or_recv(monkeypatch):
     calls: list[str] = []
 
-    def check(vllm_config, model, model_runner):
-        calls.append(f"check({vllm_config}, {model}, {model_runner.name})")
+    def check(vllm_config, model, model_runner, all_gather_tensors):
+        calls.append(
+            f"check({vllm_config}, {model}, {model_runner.name}, {all_gather_tensors})"
+        )
         raise Refused
 
     def record(name):
@@ -39,11 +41,15 @@ def test_hand_off_agreement_is_checked_before_the_first_pp_send_or_recv(monkeypa
         get_model=lambda: "model",
     )
     worker = types.SimpleNamespace(
-        vllm_config="config", model_runner=runner, get_model=lambda: "model"
+        vllm_config="config",
+        model_runner=runner,
+        get_model=lambda: "model",
+        _pp_all_gather_tensors={"hidden_states": False},
     )
     with pytest.raises(Refused):
         gpu_worker.Worker._compile_or_warm_up_model(worker)
-    assert calls == ["check(config, model, runner)"]
+    # With the overrides the worker's own sends and receives use.
+    assert calls == ["check(config, model, runner, {'hidden_states': False})"]
 
 
 @pytest.mark.parametrize("v2", [False, True])
