@@ -39,6 +39,7 @@ from tests.sppp_testbed.stages import token_ids
 from vllm.config import set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
 from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.models import registry
 from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
@@ -102,7 +103,11 @@ def engine_config(checkpoint: str, draft: str | None, tp: int, pp: int, sp: bool
             "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
         },
     )
-    config = args.create_engine_config()
+    # vLLM inspects a model class it has not cached (a new series revision
+    # is a new hash) in a fresh interpreter, so as not to initialise CUDA;
+    # a CPU rank has no CUDA and has imported the class already.
+    with mock.patch.object(registry, "_run_in_subprocess", lambda inspect: inspect()):
+        config = args.create_engine_config()
     # The CPU platform raises the budget to max_model_len for MLA models;
     # MegaMoE's buffer and the DSA top-k buffer are sized by the test bed's.
     config.scheduler_config.max_num_batched_tokens = tiny_k3.MAX_NUM_BATCHED_TOKENS
