@@ -19,41 +19,66 @@ import pytest
 import torch
 
 from tests.sppp_testbed import k3_checkpoint
-from tests.sppp_testbed.loaded_stages import run_loaded_step, write_eagle3_dir
+from tests.sppp_testbed.loaded_stages import (
+    EAGLE3_AUX_LAYERS,
+    LoadedStageResult,
+    run_loaded_step,
+    write_eagle3_dir,
+)
 
 TOLERANCE = 1e-12
 NUM_TOKENS = 17
 PRELOAD = ("tests.sppp_testbed.loaded_stages",)
+# The class both architecture names load.
+K3 = "KimiK3ForConditionalGeneration"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> tuple[str, str]:
-    """The K3 checkpoint directory and an EAGLE-3 draft directory."""
-    root = tmp_path_factory.mktemp("k3-checkpoint")
-    target = k3_checkpoint.write_checkpoint(root / "kimi-k3")
-    draft = write_eagle3_dir(root / "eagle3")
-    return str(target), str(draft)
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    """A K3 checkpoint directory per architecture name a user's checkpoint
+    carries (K3, K3.1), and an EAGLE-3 draft directory (``"draft"``)."""
+    root = tmp_path_factory.mktemp("k3-checkpoints")
+    paths = {
+        name: str(k3_checkpoint.write_checkpoint(root / name, name))
+        for name in k3_checkpoint.ARCHITECTURES
+    }
+    paths["draft"] = str(write_eagle3_dir(root / "eagle3"))
+    return paths
 
 
 @pytest.fixture(scope="module")
-def loaded_ranks(pools):
-    """TP2×PP2 ranks of their own: vLLM's CPU worker module, which these
-    ranks import, patches torch's CUDA entry points process-wide."""
-    return pools(2, 2, preload=PRELOAD)
+def loaded_step(pools, checkpoints):
+    """One SP step of ``architecture``'s checkpoint on TP×PP ranks of their
+    own (vLLM's CPU worker module, which they import, patches torch's CUDA
+    entry points process-wide); memoised."""
+    results: dict[tuple[str, int, int], list[LoadedStageResult]] = {}
+
+    def run(architecture: str, tp: int, pp: int) -> list[LoadedStageResult]:
+        key = (architecture, tp, pp)
+        if key not in results:
+            results[key] = pools(tp, pp, preload=PRELOAD).run(
+                run_loaded_step,
+                checkpoints[architecture],
+                checkpoints["draft"],
+                tp > 1,
+                NUM_TOKENS,
+            )
+        return results[key]
+
+    return run
 
 
 def test_every_aux_state_that_crosses_a_stage_is_declared_shard_to_shard(
-    loaded_ranks, checkpoint
+    loaded_step,
 ):
     """The worker's overrides, taken after the runner's load_model set
     EAGLE-3's aux layers, declare each aux key that crosses stage 0's
     boundary shard-to-shard (False), and the aux states TP rank r of stage
     1 receives are the shards TP rank r of stage 0 sent."""
-    target, draft = checkpoint
-    results = loaded_ranks.run(run_loaded_step, target, draft, True, NUM_TOKENS)
+    results = loaded_step(K3, 2, 2)
     problems = []
     for rank, result in enumerate(results):
-        if result.architecture != "KimiK3ForConditionalGeneration":
+        if result.architecture != K3:
             problems.append(f"rank {rank} loaded {result.architecture}")
         if rank < 2 and result.vision_tower != "MoonViT3dPretrainedModel":
             problems.append(f"rank {rank}'s vision tower: {result.vision_tower}")
@@ -87,4 +112,41 @@ def test_every_aux_state_that_crosses_a_stage_is_declared_shard_to_shard(
                     f"TP rank {tp_rank}: {key} received differs from the "
                     f"shard sent by {error:.3g}"
                 )
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("architecture", k3_checkpoint.ARCHITECTURES)
+def test_sp_across_stages_matches_one_rank_through_the_loaded_class(
+    loaded_step, architecture
+):
+    """A K3 and a K3.1 checkpoint load the same class, and its last stage's
+    gathered hidden states and EAGLE-3 aux states at TP2×PP2 with SP equal
+    TP1×PP1's, row for row."""
+    (expected,) = loaded_step(architecture, 1, 1)
+    results = loaded_step(architecture, 2, 2)
+    problems = []
+    for rank, result in enumerate([expected, *results]):
+        if result.architecture != K3:
+            problems.append(f"rank {rank} loaded {result.architecture}")
+    if len(expected.aux_hidden_states or []) != len(EAGLE3_AUX_LAYERS):
+        problems.append(f"the reference has {expected.aux_hidden_states} aux states")
+    for rank, result in enumerate(results[2:], start=2):
+        got_aux = result.aux_hidden_states or []
+        pairs = [("hidden_states", result.hidden_states, expected.hidden_states)]
+        pairs += [
+            (f"aux[{slot}]", got, want)
+            for slot, (got, want) in enumerate(
+                zip(got_aux, expected.aux_hidden_states or [], strict=False)
+            )
+        ]
+        if len(got_aux) != len(expected.aux_hidden_states or []):
+            problems.append(f"rank {rank}: {len(got_aux)} aux states")
+        for name, got, want in pairs:
+            if got.shape != want.shape:
+                problems.append(
+                    f"rank {rank} {name}: shape {tuple(got.shape)}, "
+                    f"want {tuple(want.shape)}"
+                )
+            elif not (error := (got - want).abs().max().item()) <= TOLERANCE:
+                problems.append(f"rank {rank} {name}: max error {error:.3g}")
     assert not problems, "\n".join(problems)
