@@ -24,6 +24,7 @@ gathered outputs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,9 +32,11 @@ from unittest import mock
 
 import torch
 
-# The loader imports this on its first load; imported here, before
-# tiny_k3.stand_ins replaces torch.cuda.Stream, which its annotations read.
-import vllm.model_executor.layers.quantization.online.base  # noqa: F401
+# vLLM 0.34.0's loader imports this on its first load; imported here, before
+# tiny_k3.stand_ins replaces torch.cuda.Stream, which its annotations read
+# (a release without online quantization has no such module).
+with contextlib.suppress(ImportError):
+    import vllm.model_executor.layers.quantization.online.base  # noqa: F401
 from tests.sppp_testbed import tiny_k3, v2_kernel_standins
 from tests.sppp_testbed.stages import token_ids
 from vllm.config import set_current_vllm_config
