@@ -87,16 +87,24 @@ MAX_LIVE_RANKS = 12
 # Package scope: the ranks are gone before the evaluation tests run.
 @pytest.fixture(scope="package")
 def pools():
-    live: dict[tuple[int, int, str | None], RankPool] = {}
+    live: dict[tuple[int, int, str | None, tuple[str, ...]], RankPool] = {}
 
-    def get(tp: int, pp: int, vllm_root: str | None = None) -> RankPool:
-        key = (tp, pp, vllm_root)
+    def get(
+        tp: int,
+        pp: int,
+        vllm_root: str | None = None,
+        preload: tuple[str, ...] = PRELOAD,
+    ) -> RankPool:
+        """The pool of that shape; ranks that preload other modules (which
+        may change their process, as vLLM's CPU worker does) are a pool of
+        their own."""
+        key = (tp, pp, vllm_root, preload)
         if key not in live:
             while (
                 live and sum(p.world for p in live.values()) + tp * pp > MAX_LIVE_RANKS
             ):
                 live.pop(next(iter(live))).close()  # the oldest
-            live[key] = RankPool(tp, pp, preload=PRELOAD, vllm_root=vllm_root)
+            live[key] = RankPool(tp, pp, preload=preload, vllm_root=vllm_root)
         return live[key]
 
     yield get

@@ -44,6 +44,7 @@ FORK_SERVER_PRELOAD = (
     "vllm.config",
     "vllm.distributed",
     "tests.sppp_testbed.stages",
+    "tests.sppp_testbed.loaded_stages",
 )
 
 START_TIMEOUT_S = 180.0

@@ -149,6 +149,10 @@ class SparseSequenceMixer(SequenceMixer):
         hidden = config.hidden_size
         self.index_query = nn.Parameter(torch.empty(hidden, hidden))
 
+    def pack_projections(self) -> None:
+        """The real layer packs its projections after loading (the text
+        model's ``process_weights_after_loading``); the stand-in has none."""
+
     def forward(self, hidden_states: torch.Tensor, positions: torch.Tensor):
         rows = hidden_states.shape[0]
         assert positions.shape[0] == rows, "attention sees the whole sequence"

@@ -1,0 +1,152 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The class a user's checkpoint loads, started by vLLM's worker and V2 runner.
+
+A tiny Kimi K3 checkpoint directory (``tests/sppp_testbed/k3_checkpoint.py``)
+is served as ``vllm serve`` would start it: vLLM's loader builds
+``KimiK3ForConditionalGeneration`` from its ``config.json`` through the model
+registry, vLLM's V2 runner loads it with an EAGLE-3 drafter (taps inside
+stage 0 and at its boundary), and vLLM's worker takes the transport
+overrides that every PP send and receive uses
+(``tests/sppp_testbed/loaded_stages.py``). Only what lies below the model
+class is stood in. Under SP each aux state that crosses a boundary must go
+from TP rank r of one stage to TP rank r of the next as it is (contract 4),
+whatever order the runner sets things up in (contract 10).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.sppp_testbed import k3_checkpoint
+from tests.sppp_testbed.loaded_stages import (
+    EAGLE3_AUX_LAYERS,
+    LoadedStageResult,
+    run_loaded_step,
+    write_eagle3_dir,
+)
+
+TOLERANCE = 1e-12
+NUM_TOKENS = 17
+PRELOAD = ("tests.sppp_testbed.loaded_stages",)
+# The class both architecture names load.
+K3 = "KimiK3ForConditionalGeneration"
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, str]:
+    """A K3 checkpoint directory per architecture name a user's checkpoint
+    carries (K3, K3.1), and an EAGLE-3 draft directory (``"draft"``)."""
+    root = tmp_path_factory.mktemp("k3-checkpoints")
+    paths = {
+        name: str(k3_checkpoint.write_checkpoint(root / name, name))
+        for name in k3_checkpoint.ARCHITECTURES
+    }
+    paths["draft"] = str(write_eagle3_dir(root / "eagle3"))
+    return paths
+
+
+@pytest.fixture(scope="module")
+def loaded_step(pools, checkpoints):
+    """One SP step of ``architecture``'s checkpoint on TP×PP ranks of their
+    own (vLLM's CPU worker module, which they import, patches torch's CUDA
+    entry points process-wide); memoised."""
+    results: dict[tuple[str, int, int], list[LoadedStageResult]] = {}
+
+    def run(architecture: str, tp: int, pp: int) -> list[LoadedStageResult]:
+        key = (architecture, tp, pp)
+        if key not in results:
+            results[key] = pools(tp, pp, preload=PRELOAD).run(
+                run_loaded_step,
+                checkpoints[architecture],
+                checkpoints["draft"],
+                tp > 1,
+                NUM_TOKENS,
+            )
+        return results[key]
+
+    return run
+
+
+def test_every_aux_state_that_crosses_a_stage_is_declared_shard_to_shard(
+    loaded_step,
+):
+    """The worker's overrides, taken after the runner's load_model set
+    EAGLE-3's aux layers, declare each aux key that crosses stage 0's
+    boundary shard-to-shard (False), and the aux states TP rank r of stage
+    1 receives are the shards TP rank r of stage 0 sent."""
+    results = loaded_step(K3, 2, 2)
+    problems = []
+    for rank, result in enumerate(results):
+        if result.architecture != K3:
+            problems.append(f"rank {rank} loaded {result.architecture}")
+        if rank < 2 and result.vision_tower != "MoonViT3dPretrainedModel":
+            problems.append(f"rank {rank}'s vision tower: {result.vision_tower}")
+        if not result.sequence_parallel:
+            problems.append(f"rank {rank}: no SP")
+    crossing = sorted(k for k in results[0].sent if k.startswith("aux_hidden_states_"))
+    if not crossing:
+        problems.append(f"stage 0 sends no aux state: {sorted(results[0].sent)}")
+    for rank, result in enumerate(results):
+        overrides = result.worker_overrides or {}
+        undeclared = [k for k in crossing if overrides.get(k) is not False]
+        if undeclared:
+            problems.append(
+                f"rank {rank}: the worker's transport overrides {overrides} "
+                f"do not declare {undeclared} shard-to-shard"
+            )
+    for tp_rank in range(2):
+        sent, received = results[tp_rank].sent, results[2 + tp_rank].received
+        for key in crossing:
+            got, want = received.get(key), sent[key]
+            if got is None:
+                problems.append(f"TP rank {tp_rank}: {key} not received")
+            elif got.shape != want.shape:
+                problems.append(
+                    f"TP rank {tp_rank}: {key} received with shape "
+                    f"{tuple(got.shape)}, sent {tuple(want.shape)}"
+                )
+            elif not torch.equal(got, want):
+                error = (got - want).abs().max().item()
+                problems.append(
+                    f"TP rank {tp_rank}: {key} received differs from the "
+                    f"shard sent by {error:.3g}"
+                )
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("architecture", k3_checkpoint.ARCHITECTURES)
+def test_sp_across_stages_matches_one_rank_through_the_loaded_class(
+    loaded_step, architecture
+):
+    """A K3 and a K3.1 checkpoint load the same class, and its last stage's
+    gathered hidden states and EAGLE-3 aux states at TP2×PP2 with SP equal
+    TP1×PP1's, row for row."""
+    (expected,) = loaded_step(architecture, 1, 1)
+    results = loaded_step(architecture, 2, 2)
+    problems = []
+    for rank, result in enumerate([expected, *results]):
+        if result.architecture != K3:
+            problems.append(f"rank {rank} loaded {result.architecture}")
+    if len(expected.aux_hidden_states or []) != len(EAGLE3_AUX_LAYERS):
+        problems.append(f"the reference has {expected.aux_hidden_states} aux states")
+    for rank, result in enumerate(results[2:], start=2):
+        got_aux = result.aux_hidden_states or []
+        pairs = [("hidden_states", result.hidden_states, expected.hidden_states)]
+        pairs += [
+            (f"aux[{slot}]", got, want)
+            for slot, (got, want) in enumerate(
+                zip(got_aux, expected.aux_hidden_states or [], strict=False)
+            )
+        ]
+        if len(got_aux) != len(expected.aux_hidden_states or []):
+            problems.append(f"rank {rank}: {len(got_aux)} aux states")
+        for name, got, want in pairs:
+            if got.shape != want.shape:
+                problems.append(
+                    f"rank {rank} {name}: shape {tuple(got.shape)}, "
+                    f"want {tuple(want.shape)}"
+                )
+            elif not (error := (got - want).abs().max().item()) <= TOLERANCE:
+                problems.append(f"rank {rank} {name}: max error {error:.3g}")
+    assert not problems, "\n".join(problems)

@@ -1,0 +1,118 @@
+# SPDX-License-Identifier: Apache-2.0
+"""A tiny Kimi K3 checkpoint directory, loaded as a user's checkpoint loads.
+
+:func:`write_checkpoint` writes what ``vllm serve /models/Kimi-K3`` reads
+from a real checkpoint, in miniature: ``config.json`` with the
+architecture name a K3 (``KimiK3ForConditionalGeneration``) or K3.1
+(``KimiK31ForConditionalGeneration``) checkpoint carries and the composite
+``kimi_k3`` config vLLM registers (``KimiK3Config``): a ``text_config`` of
+the test bed's tiny shape (KDA and MLA layers alternating, DSA on the
+full-attention layers where this vLLM builds them, MoE with a shared
+expert, AttnRes on or off, one MTP layer) and a ``vision_config`` of a
+one-block MoonViT; its image processor's settings; and a character-level
+tokenizer. Nothing is downloaded.
+
+:mod:`tests.sppp_testbed.loaded_stages` starts vLLM's worker and V2 runner
+on it, whose loader builds the class the architecture names.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tests.sppp_testbed import tiny_k3
+
+ARCHITECTURES = ("KimiK3ForConditionalGeneration", "KimiK31ForConditionalGeneration")
+EOS = 0
+# The media placeholder's id: inside the tiny vocabulary.
+MEDIA_PLACEHOLDER = tiny_k3.VOCAB - 1
+
+
+def text_config(attn_res: bool, dsa: bool, width: int = 4) -> dict:
+    """The test bed's tiny text model as a checkpoint's ``text_config``,
+    with the KDA state sizes a real one declares (the runner sizes the KDA
+    cache from them; the stand-in attention keeps no state)."""
+    config = tiny_k3.tiny_config(attn_res=attn_res, dsa=dsa, width=width).to_dict()
+    config["linear_attn_config"].update(
+        num_heads=width, head_dim=16, short_conv_kernel_size=4
+    )
+    config.update(eos_token_id=EOS, bos_token_id=1, torch_dtype="float32")
+    return config
+
+
+# MoonViT as Kimi K3's vision_config spells it, one block of width 16.
+VISION_CONFIG = {
+    "model_type": "kimi_k3_vision",
+    "patch_size": 4,
+    "init_pos_emb_height": 8,
+    "init_pos_emb_width": 8,
+    "init_pos_emb_time": 2,
+    "vt_num_attention_heads": 2,
+    "vt_num_hidden_layers": 1,
+    "vt_hidden_size": 16,
+    "vt_intermediate_size": 32,
+    "qkv_hidden_size": 16,
+    "mm_hidden_size": 16,
+    "merge_kernel_size": [2, 2],
+}
+
+
+# The image processor's settings (vLLM's KimiK25FusedVisionProcessor reads
+# them from preprocessor_config.json), for the vision config above.
+MEDIA_PROC_CFG = {
+    "patch_size": VISION_CONFIG["patch_size"],
+    "merge_kernel_size": VISION_CONFIG["merge_kernel_size"],
+    "temporal_merge_kernel_size": 1,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "in_patch_limit": 64,
+    "patch_limit_on_one_side": 8,
+    "in_patch_limit_each_frame": None,
+    "in_patch_limit_video": None,
+    "fixed_output_tokens": None,
+}
+
+
+def write_checkpoint(
+    path: Path,
+    architecture: str = ARCHITECTURES[0],
+    *,
+    attn_res: bool = False,
+    dsa: bool = tiny_k3.HAS_DSA,
+    width: int = 4,
+) -> Path:
+    """Write the checkpoint directory (no weights: loaded with dummy ones)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {chr(i): i for i in range(tiny_k3.VOCAB)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x01"))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "\x00",
+                "unk_token": "\x01",
+                "model_max_length": tiny_k3.MAX_MODEL_LEN,
+            }
+        )
+    )
+    (path / "preprocessor_config.json").write_text(
+        json.dumps({"media_proc_cfg": MEDIA_PROC_CFG})
+    )
+    config = {
+        "architectures": [architecture],
+        "model_type": "kimi_k3",
+        "text_config": text_config(attn_res, dsa, width),
+        "vision_config": VISION_CONFIG,
+        "media_placeholder_token_id": MEDIA_PLACEHOLDER,
+        "pad_token_id": 0,
+        "eos_token_id": EOS,
+        "bos_token_id": 1,
+        "torch_dtype": "float32",
+    }
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path

@@ -1,0 +1,218 @@
+# SPDX-License-Identifier: Apache-2.0
+"""The class a user's checkpoint loads, across PP stages, started as vLLM
+starts it.
+
+Each rank builds the ``VllmConfig`` of ``vllm serve CHECKPOINT`` with the
+layout's options (``EngineArgs.create_engine_config``, the serving CLI's
+path), constructs vLLM's own worker and Model Runner V2 (``CPUWorker``
+with ``GPUWorker.__init__``, as ``tests/serving/worker.py`` does, and
+``CPUModelRunner``) and runs the worker's ``load_model``: vLLM's loader
+builds the checkpoint's architecture (``KimiK3ForConditionalGeneration``)
+through the model registry, the runner takes its PP declaration and sets
+EAGLE-3's aux layers in its own order, and the worker takes the transport
+overrides that ``Worker.execute_model`` passes to every PP send and
+receive. Stand-ins sit below the model class only: ``tiny_k3.stand_ins``
+(KDA, MLA and DSA attention, MoE, ``attn_res``) and the V2 runner's Triton
+kernels (``v2_kernel_standins``); the drafter is built (on the last stage)
+but not run.
+
+One step then crosses the stage boundaries with vLLM's
+``isend_tensor_dict`` / ``irecv_tensor_dict`` and the worker's overrides,
+as ``Worker.execute_model`` moves them, and the last stage runs to its
+gathered outputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+# vLLM 0.34.0's loader imports this on its first load; imported here, before
+# tiny_k3.stand_ins replaces torch.cuda.Stream, which its annotations read
+# (a release without online quantization has no such module).
+with contextlib.suppress(ImportError):
+    import vllm.model_executor.layers.quantization.online.base  # noqa: F401
+from tests.sppp_testbed import tiny_k3, v2_kernel_standins
+from tests.sppp_testbed.stages import token_ids
+from vllm.config import set_current_vllm_config
+from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+from vllm.engine.arg_utils import EngineArgs
+from vllm.model_executor.models import registry
+from vllm.sequence import IntermediateTensors
+from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
+
+# A one-layer EAGLE-3 drafter reading the target's taps 1 (after layer 0,
+# inside stage 0 at PP2), 2 (stage 0's last layer: the boundary) and 4
+# (after the last layer): stage 0 sends aux slots 0 and 1 across.
+EAGLE3_AUX_LAYERS = (1, 2, 4)
+NUM_SPECULATIVE_TOKENS = 2
+
+
+def write_eagle3_dir(path: Path) -> Path:
+    """An EAGLE-3 draft checkpoint's ``config.json`` (a one-layer Llama
+    that vLLM's ``eagle3`` method wraps as ``Eagle3LlamaForCausalLM``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": tiny_k3.VOCAB,
+                "draft_vocab_size": tiny_k3.VOCAB,
+                "hidden_size": tiny_k3.HIDDEN,
+                "intermediate_size": 96,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
+                "eagle_aux_hidden_state_layer_ids": list(EAGLE3_AUX_LAYERS),
+                "tie_word_embeddings": False,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    return path
+
+
+def engine_config(checkpoint: str, draft: str | None, tp: int, pp: int, sp: bool):
+    """``vllm serve CHECKPOINT`` with the layout's options, as the serving
+    CLI turns them into a ``VllmConfig``; the model then computes in
+    float64 and the step budget is the test bed's."""
+    args = EngineArgs(
+        model=checkpoint,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        enable_expert_parallel=sp,
+        kernel_config={"moe_backend": "deep_gemm_mega_moe" if sp else "auto"},
+        load_format="dummy",
+        enforce_eager=True,
+        max_model_len=tiny_k3.MAX_MODEL_LEN,
+        max_num_seqs=8,
+        # The CPU platform turns prefix caching off for MLA models after the
+        # hybrid-model hook sized the KDA blocks for it: off from the start.
+        enable_prefix_caching=False,
+        compilation_config={"custom_ops": ["none"]},
+        speculative_config=None
+        if draft is None
+        else {
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+        },
+    )
+    # vLLM inspects a model class it has not cached (a new series revision
+    # is a new hash) in a fresh interpreter, so as not to initialise CUDA;
+    # a CPU rank has no CUDA and has imported the class already.
+    with mock.patch.object(registry, "_run_in_subprocess", lambda inspect: inspect()):
+        config = args.create_engine_config()
+    # The CPU platform raises the budget to max_model_len for MLA models;
+    # MegaMoE's buffer and the DSA top-k buffer are sized by the test bed's.
+    config.scheduler_config.max_num_batched_tokens = tiny_k3.MAX_NUM_BATCHED_TOKENS
+    config.model_config.dtype = tiny_k3.DTYPE
+    if config.speculative_config is not None:
+        config.speculative_config.draft_model_config.dtype = tiny_k3.DTYPE
+    return config
+
+
+def start_worker(config):
+    """vLLM's worker with vLLM's V2 runner, the model loaded by the worker's
+    own ``load_model``. The rank's distributed state stands for the
+    worker's ``init_device``."""
+    # vLLM's CPU worker module puts its CUDA placeholders (streams, events,
+    # pinned memory) in place for the V2 runner on import.
+    from vllm.v1.worker import cpu_worker, gpu_worker
+    from vllm.v1.worker.cpu.model_runner import CPUModelRunner
+
+    v2_kernel_standins.install()
+    worker = object.__new__(cpu_worker.CPUWorker)
+    # As tests/serving/worker.py starts it: GPUWorker.__init__ (CPUWorker's
+    # binds NUMA memory through vllm._C, which the CUDA wheel lacks), with
+    # its Triton check answered for the constructor only.
+    with mock.patch.object(gpu_worker, "HAS_TRITON", True):
+        gpu_worker.Worker.__init__(
+            worker,
+            config,
+            local_rank=0,
+            rank=torch.distributed.get_rank(),
+            distributed_init_method="tcp://unused",
+            is_driver_worker=get_tp_group().rank_in_group == 0,
+        )
+    worker.device = torch.device("cpu")
+    worker.model_runner = CPUModelRunner(config, worker.device)
+    worker.load_model()
+    return worker
+
+
+@dataclass
+class LoadedStageResult:
+    """What one rank loaded and moved."""
+
+    architecture: str
+    # The class of its vision tower (vLLM's MoonViT where this rank has it).
+    vision_tower: str
+    sequence_parallel: bool
+    # What Worker.execute_model passes to every PP send and receive.
+    worker_overrides: dict[str, bool] | None
+    # What this stage sent (non-last) and received (non-first), by key.
+    sent: dict[str, torch.Tensor] = field(default_factory=dict)
+    received: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The last stage's gathered outputs (N rows).
+    hidden_states: torch.Tensor | None = None
+    aux_hidden_states: list[torch.Tensor] | None = None
+
+
+def run_loaded_step(
+    checkpoint: str, draft: str | None, sp: bool, num_tokens: int, seed: int = 0
+) -> LoadedStageResult:
+    """Run in every rank: start the worker on ``checkpoint`` (with the
+    EAGLE-3 drafter in ``draft``), then one prefill of ``num_tokens``
+    tokens across the stages."""
+    tp_group, pp_group = get_tp_group(), get_pp_group()
+    config = engine_config(
+        checkpoint, draft, tp_group.world_size, pp_group.world_size, sp
+    )
+    with set_current_vllm_config(config), tiny_k3.stand_ins(), torch.no_grad():
+        torch.set_default_dtype(tiny_k3.DTYPE)
+        worker = start_worker(config)
+        model = worker.model_runner.get_model()
+        # Dummy weights differ per rank: each its shard of one seeded model.
+        tiny_k3.load_seeded_weights(model, seed)
+        overrides = worker._pp_all_gather_tensors
+        result = LoadedStageResult(
+            type(model).__name__,
+            type(model.vision_tower).__name__,
+            model.language_model.model.use_sequence_parallel,
+            overrides,
+        )
+        intermediate = None
+        if not pp_group.is_first_rank:
+            tensors, handles, postprocess = pp_group.irecv_tensor_dict(
+                all_gather_group=tp_group, all_gather_tensors=overrides
+            )
+            intermediate = AsyncIntermediateTensors(
+                tensors, comm_handles=handles, comm_postprocess=postprocess
+            )
+            intermediate.wait_for_comm()
+            result.received = {k: v.clone() for k, v in intermediate.tensors.items()}
+        ids = token_ids(num_tokens, seed)
+        output = model(ids, torch.arange(num_tokens), intermediate)
+        if not pp_group.is_last_rank:
+            assert isinstance(output, IntermediateTensors)
+            result.sent = {k: v.clone() for k, v in output.tensors.items()}
+            for handle in pp_group.isend_tensor_dict(
+                output.tensors, all_gather_group=tp_group, all_gather_tensors=overrides
+            ):
+                if handle is not None:
+                    handle.wait()
+            return result
+        if isinstance(output, tuple):
+            result.hidden_states, result.aux_hidden_states = output
+        else:
+            result.hidden_states = output
+    return result
