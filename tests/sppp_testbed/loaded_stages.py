@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from unittest import mock
@@ -38,6 +39,7 @@ import torch
 with contextlib.suppress(ImportError):
     import vllm.model_executor.layers.quantization.online.base  # noqa: F401
 from tests.sppp_testbed import tiny_k3, v2_kernel_standins
+from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 from tests.sppp_testbed.stages import token_ids
 from vllm.config import set_current_vllm_config
 from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -174,6 +176,10 @@ def run_loaded_step(
     EAGLE-3 drafter in ``draft``), then one prefill of ``num_tokens``
     tokens across the stages."""
     tp_group, pp_group = get_tp_group(), get_pp_group()
+    if HAS_LEGACY_RUNNER:
+        # 0.33.0 starts its legacy runner unless asked; the V2 runner is the
+        # one that sets aux layers on every stage (and the one started here).
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     config = engine_config(
         checkpoint, draft, tp_group.world_size, pp_group.world_size, sp
     )
