@@ -181,8 +181,8 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
     too; stopped after the package's last test, so that no idle server holds
     memory while the rest of ``make test`` runs."""
     root = tmp_path_factory.mktemp("serving")
-    cache_model_info()
     with preloaded_vllm.command(root / "vllm", {**serve_env(), **OFFLINE}) as vllm:
+        cache_model_info()  # while the preloaded process imports vLLM
         pool = Servers(
             vllm,
             write_model_dir(root / "tiny-k3"),
