@@ -63,6 +63,9 @@
 #                       (resumable; MUTATE_ARGS="--limit N", "--files F ..."
 #                       or "--jobs N" on more cores; hours on 2 cores)
 #   make setup          only the pinned .venv (BASE=0.33.0: .venv-0.33.0)
+#   make pristine       each other base's vLLM as its wheel's Python sources
+#                       (.cache/pristine-vllm-VERSION, checked; make test
+#                       needs them, where that base has no venv)
 #
 # MODEL= is the checkpoint directory, as the seed exports it (CHECKPOINT= is
 # the same, and wins): the Python tools' --checkpoint. Their --model is the
@@ -109,8 +112,9 @@ APPLY := python3 apply.py
 PYTEST_ARGS ?=
 TEST_PATHS ?=
 
-.PHONY: help setup apply revert status check test lint manifest pr-diff rebase comm-report \
-	nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report gpu-bundle mutate test-serving
+.PHONY: help setup apply revert status check test pristine lint manifest pr-diff \
+	rebase comm-report nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report \
+	gpu-bundle mutate test-serving
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -212,12 +216,28 @@ if [ $$rest -eq 5 ] && [ $$serving -ne 5 ]; then rest=0; fi; \
 rc=$$serving; if [ $$rc -eq 0 ]; then rc=$$rest; fi
 endef
 
-test: setup
+test: setup pristine
 	@$(APPLY) status $(BASE_TARGET) > /dev/null; if [ $$? -eq 6 ]; then \
 		echo "make test: $(VENV) has another revision of the patch set; replacing it"; \
 		$(APPLY) revert $(BASE_TARGET); fi
 	$(APPLY) apply $(BASE_TARGET)
 	$(call pytest_in_own_tmpdir,$(if $(TEST_PATHS),run_pytest $(TEST_PATHS) $(PYTEST_ARGS); rc=$$?,$(whole_suite)))
+
+# A pristine tree of every other base's vLLM, for apply.py lint and the
+# tooling tests, which check each base's series on its own release: where
+# that base's venv is absent, the Python sources of its wheel (pip download
+# --no-deps, a few hundred MB, never installed), unpacked into
+# .cache/pristine-vllm-VERSION and checked against the wheel's RECORD and the
+# series' base.sha256 (_pristine.py); once, then kept.
+PRISTINE := .cache/pristine-vllm
+pristine: setup
+	@for base in $(filter-out $(BASE),$(BASES)); do \
+		venv=.venv-$$base; [ "$$base" = "$(DEFAULT_BASE)" ] && venv=.venv; \
+		if [ -d "$$venv" ] || [ -d "$(PRISTINE)-$$base" ]; then continue; fi; \
+		mkdir -p .cache && wheel=$$(mktemp -d .cache/wheel-XXXXXX) && \
+		$(VPY) -m pip download --quiet --no-deps "vllm==$$base" -d "$$wheel" && \
+		$(VPY) _pristine.py "$$wheel"/vllm-$$base-*.whl "$(PRISTINE)-$$base"; \
+		rc=$$?; rm -rf "$$wheel"; [ $$rc -eq 0 ] || exit $$rc; done
 
 # Only the tests that run the series inside real `vllm serve` servers on CPU
 # ranks (tests/serving; part of make test).

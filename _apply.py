@@ -101,6 +101,7 @@ __all__ = [
     "base_version",
     "bases",
     "original_files",
+    "pristine_sources",
     "record_hashes",
     "status",
     "status_text",
@@ -853,6 +854,14 @@ def project_venv(version: str | None = None) -> Path:
     if version is None or version == default_version():
         return PROJECT_DIR / ".venv"
     return PROJECT_DIR / f".venv-{version}"
+
+
+def pristine_sources(version: str) -> Path:
+    """Where `make pristine` unpacks the Python sources of vLLM ``version``'s
+    wheel (``_pristine.py``, checked against its RECORD and the series'
+    ``base.sha256``): a pristine tree of that release for ``lint`` without
+    its venv."""
+    return PROJECT_DIR / ".cache" / f"pristine-vllm-{version}"
 
 
 def project_venv_bases() -> dict[Path, str | None]:

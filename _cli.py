@@ -37,6 +37,7 @@ from _apply import (
     kept_versions,
     load_patch_set,
     overlay_files,
+    pristine_sources,
     project_venv,
     resolve_target,
     say,
@@ -99,7 +100,9 @@ def lint_trees(
 ) -> dict[str, Target]:
     """The pristine tree each series is linted against: a ``--target`` of
     its vLLM version, else this project's venv of that version (``.venv``
-    for the default series, ``.venv-VERSION`` for another base).  A patch
+    for the default series, ``.venv-VERSION`` for another base), else the
+    Python sources of that version's wheel that `make pristine` unpacked
+    (``pristine_sources``).  A patch
     set of one series takes the one ``--target`` given (default: the default
     target), whatever it says, as apply does."""
     targets = [resolve_target(path, root) for path in given]
@@ -122,17 +125,20 @@ def lint_trees(
     for version, patch_dir in kept.items():
         if version in trees:
             continue
-        venv = project_venv(version)
-        if venv.is_dir():
-            target = resolve_target(venv, root)
-            if target.version() == version:
-                trees[version] = target
-                continue
-        missing.append(
-            f"vLLM {version} ({patch_dir}): no vLLM {version} venv at {venv} "
-            f"(`make setup BASE={version}` builds it), and no --target of vLLM "
-            f"{version} was given"
-        )
+        venv, wheel_tree = project_venv(version), pristine_sources(version)
+        for tree in (venv, wheel_tree):
+            if tree.is_dir():
+                target = resolve_target(tree, root)
+                if target.version() == version:
+                    trees[version] = target
+                    break
+        else:
+            missing.append(
+                f"vLLM {version} ({patch_dir}): no vLLM {version} venv at {venv} "
+                f"(`make setup BASE={version}` builds it), no sources of its "
+                f"wheel at {wheel_tree} (`make pristine` unpacks them), and no "
+                f"--target of vLLM {version} was given"
+            )
     if missing:
         raise ApplyError(
             "lint checks every series against a pristine tree of its vLLM; "

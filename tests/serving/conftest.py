@@ -18,7 +18,13 @@ import pytest
 from tests.serving import preloaded_vllm
 from tests.serving.eagle3 import speculative_config, write_draft_dir
 from tests.serving.fork_processes import ASYNC_SCHEDULING
-from tests.serving.server import OFFLINE, Server, serve_env, write_model_dir
+from tests.serving.server import (
+    OFFLINE,
+    Server,
+    cache_model_info,
+    serve_env,
+    write_model_dir,
+)
 from tests.serving.worker import STAGE0_EXTRA_ROW, STAGE1_MOE_BACKEND
 from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 
@@ -47,8 +53,14 @@ class Layout:
 # of the seed is), the other two by the Python one: both frontends are
 # covered by the same three start-ups. The replicated layout serves without
 # prefix caching, as the arms do; the others keep vLLM's default (on).
+# A start-up is the serving tests' cost, so one server serves every test that
+# its layout can: TP1xPP1 is the reference of the completions and, on vLLM
+# 0.34.0, with the EAGLE-3 drafter, of the drafts (greedy verification keeps
+# its completions the target's; they equal the model recomputed without any
+# runner, test_serve_parity.py). A layout is a server only where its
+# parallel sizes, flags or drafter differ.
 LAYOUTS = {
-    "TP1xPP1": Layout([], "python", None),
+    "TP1xPP1": Layout([], "python", None, drafter=not HAS_LEGACY_RUNNER),
     "TP2xPP2 SP (MegaMoE, EP)": Layout(
         [*TP2PP2, "--moe-backend", "deep_gemm_mega_moe"], "rust", "mega-sp"
     ),
@@ -80,12 +92,10 @@ LAYOUTS = {
         starts=False,
     ),
 }
-if not HAS_LEGACY_RUNNER:
-    # The drafts' reference (vLLM 0.34.0's V2 runner; 0.33.0's servers run a
-    # stand-in runner without a speculator).
-    LAYOUTS["TP1xPP1 EAGLE-3"] = Layout([], "python", None, drafter=True)
 REFERENCE = "TP1xPP1"
-EAGLE3_REFERENCE = "TP1xPP1 EAGLE-3"
+# The drafts' reference (vLLM 0.34.0's V2 runner; 0.33.0's servers run a
+# stand-in runner without a speculator, and no drafter test).
+EAGLE3_REFERENCE = REFERENCE
 SP = "TP2xPP2 SP (MegaMoE, EP)"
 REPLICATED = "TP2xPP2 replicated (triton, EP)"
 SP_PP3 = "TP2xPP3 SP (MegaMoE, EP)"
@@ -172,6 +182,7 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
     memory while the rest of ``make test`` runs."""
     root = tmp_path_factory.mktemp("serving")
     with preloaded_vllm.command(root / "vllm", {**serve_env(), **OFFLINE}) as vllm:
+        cache_model_info()  # while the preloaded process imports vLLM
         pool = Servers(
             vllm,
             write_model_dir(root / "tiny-k3"),
@@ -183,12 +194,23 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
         try:
             yield pool
         finally:
+            stopping = time.monotonic()
             pool.stop()
-            print(
-                "\nserving start-ups (s): "
+            request.config.stash[STARTUPS] = (
+                "serving start-ups (s, each from its own start, all at once): "
                 + ", ".join(f"{n} {t:.0f}" for n, t in pool.startup.items())
-                + f"; servers up for {time.monotonic() - started:.0f} s"
+                + f"; servers up for {stopping - started:.0f} s, stopped in "
+                + f"{time.monotonic() - stopping:.0f} s"
             )
+
+
+STARTUPS = pytest.StashKey[str]()
+
+
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """Where the serving tests' time goes, in every run's summary."""
+    if STARTUPS in config.stash:
+        terminalreporter.write_line(config.stash[STARTUPS])
 
 
 @pytest.fixture(scope="package")

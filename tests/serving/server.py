@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from pathlib import Path
 
 from tests.sppp_testbed import tiny_k3
@@ -88,6 +90,44 @@ if not HAS_LEGACY_RUNNER:
     # its block table, and blocks of 4 tokens make every prompt of more than
     # 4 tokens, and its decode steps, cross blocks.
     SERVE_ARGS += ["--block-size", "4"]
+
+
+# The classes the test servers serve: the target's (config.json above) and the
+# drafter's, as vLLM's ``eagle3`` method names it (tests/serving/eagle3.py).
+SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Eagle3LlamaForCausalLM")
+
+
+def cache_model_info(architectures=SERVED_ARCHITECTURES) -> None:
+    """Fill vLLM's model-info cache (``VLLM_CACHE_ROOT/modelinfos``) for the
+    served classes, once, before the servers start.
+
+    ``vllm serve`` inspects each class it serves (``_LazyRegisteredModel.
+    inspect_model_cls``, vllm/model_executor/models/registry.py); on a cache
+    miss it does so in a new Python process that imports vLLM and torch
+    again, 15 to 20 s of CPU: on a machine that never served them, every
+    server of the tests at once, the drafter layouts twice in a row. Here
+    vLLM's own inspection runs once, in a fork of this process (which has
+    imported vLLM), with that new process's work done in the fork; vLLM
+    writes the cache, and every server reads it as a node that served the
+    class before does. With the cache already filled, nothing runs."""
+    context = multiprocessing.get_context("fork")
+    process = context.Process(target=_inspect, args=(list(architectures),))
+    process.start()
+    process.join()
+    if process.exitcode != 0:  # each server then inspects the classes itself
+        warnings.warn(
+            f"vLLM's model-info cache not filled (exit {process.exitcode}): "
+            "every server inspects its classes in a process of its own",
+            stacklevel=2,
+        )
+
+
+def _inspect(architectures: list[str]) -> None:
+    from vllm.model_executor.models import registry
+
+    registry._run_in_subprocess = lambda inspect: inspect()
+    for name in architectures:
+        registry.ModelRegistry.models[name].inspect_model_cls()
 
 
 # The tests download nothing: the model directory and GSM8K are local.

@@ -7,7 +7,11 @@ settings; and a start-up the stages' agreement refuses."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
+import json
 import re
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -235,21 +239,46 @@ def test_runner_refuses_a_hand_off_of_other_rows_before_the_copy(servers):
     request unanswered: the last stage waits for a send that never comes.)"""
     server = servers[SP_PP3]
     answers: list[object] = []
+    # A connection of the test's own: the request never gets an answer, and
+    # the server stops only once no connection is open (uvicorn waits 30 s
+    # for one, then is killed), so the test hangs up when it is done.
+    host, port = server.url.removeprefix("http://").split(":")
+    connection = http.client.HTTPConnection(host, int(port), timeout=60)
+    body = json.dumps(
+        {
+            "model": server.model,
+            "prompt": EXTRA_ROW_MARK + "bc",
+            "max_tokens": 2,
+            "temperature": 0,
+        }
+    )
 
     def ask() -> None:
         try:
-            answers.append(server.complete(EXTRA_ROW_MARK + "bc", 2, timeout=60))
-        except (RuntimeError, OSError) as error:  # HTTP 500, or no answer
+            connection.request(
+                "POST", "/v1/completions", body, {"Content-Type": "application/json"}
+            )
+            answer = connection.getresponse()
+            text = answer.read().decode()
+            answers.append(text if answer.status == 200 else RuntimeError(text))
+        except (OSError, http.client.HTTPException) as error:  # no answer
             answers.append(error)
 
-    threading.Thread(target=ask, daemon=True).start()
+    asking = threading.Thread(target=ask, daemon=True)
+    asking.start()
     refusal = (
         "Received PP intermediate tensors of 3 rows for a step of 3 tokens "
         "where this stage expects 2"
     )
-    deadline = time.monotonic() + 60
-    while refusal not in server.log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert refusal in server.log.read_text()
-    time.sleep(1)
-    assert not any(isinstance(answer, str) for answer in answers), answers
+    try:
+        deadline = time.monotonic() + 60
+        while refusal not in server.log.read_text() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert refusal in server.log.read_text()
+        time.sleep(1)
+        assert not any(isinstance(answer, str) for answer in answers), answers
+    finally:
+        with contextlib.suppress(OSError, AttributeError):
+            connection.sock.shutdown(socket.SHUT_RDWR)
+        asking.join(10)
+        connection.close()

@@ -4,8 +4,10 @@
 The tests run on the vLLM of the interpreter that runs them (``BASE``:
 ``make test`` runs .venv's, ``make test BASE=0.33.0`` .venv-0.33.0's), and
 the tests' own patch set is pinned to it.  A pristine tree of every base the
-project keeps a series for is built from that base's venv (``.venv``,
-``.venv-VERSION``) where it exists: ``pristine_caches``.
+project keeps a series for is cached in ``.cache/pristine-vllm-VERSION``
+(``apply.pristine_sources``): built from that base's venv (``.venv``,
+``.venv-VERSION``) where it exists, else unpacked from that release's wheel
+by `make pristine`, which `make test` runs: ``pristine_caches``.
 
 A pristine tree is the pinned wheel's own files: every file is checked
 against the wheel's ``RECORD`` before it enters the cache, and files the
@@ -164,9 +166,10 @@ def file_signatures(root: Path) -> dict[str, tuple[int, int, int, int]]:
 
 
 def pristine_tree(version: str) -> Path:
-    """The cached pristine tree of vLLM ``version``, built once from its
-    venv (pytest-xdist workers build it one at a time)."""
-    cache = CACHE / f"pristine-vllm-{version}"
+    """The cached pristine tree of vLLM ``version``: unpacked from its wheel
+    by `make pristine`, or built here once from its venv (pytest-xdist
+    workers build it one at a time)."""
+    cache = apply.pristine_sources(version)
     CACHE.mkdir(exist_ok=True)
     with open(CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -175,6 +178,12 @@ def pristine_tree(version: str) -> Path:
             build_pristine(tmp, version)
             tmp.rename(cache)
     return cache
+
+
+def has_pristine_tree(version: str) -> bool:
+    """Whether a pristine tree of vLLM ``version`` is cached or can be built
+    from its venv."""
+    return apply.pristine_sources(version).is_dir() or apply.venv(version).is_dir()
 
 
 @contextlib.contextmanager
@@ -204,12 +213,13 @@ def pristine_cache() -> Iterator[Path]:
 @pytest.fixture(scope="session")
 def pristine_caches(pristine_cache: Path) -> Iterator[dict[str, Path]]:
     """A pristine tree of every base the project keeps a series for, by
-    version; a test that needs a base whose venv is missing is skipped,
-    naming the command that builds it (CI builds every one: make lint)."""
+    version; a test that needs a base with neither a venv nor its wheel's
+    sources is skipped, naming the command that builds them (`make test`
+    runs it first)."""
     with contextlib.ExitStack() as stack:
         caches = {BASE: pristine_cache}
         for version in BASES:
-            if version != BASE and apply.venv(version).is_dir():
+            if version != BASE and has_pristine_tree(version):
                 caches[version] = stack.enter_context(unwritten(pristine_tree(version)))
         yield caches
 
@@ -220,8 +230,8 @@ def need_bases(caches: dict[str, Path], *versions: str) -> None:
     missing = [v for v in versions if v not in caches]
     if missing:
         pytest.skip(
-            "no pristine tree of vLLM " + ", ".join(missing) + ": build its venv "
-            "with " + ", ".join(f"`make setup BASE={v}`" for v in missing)
+            "no pristine tree of vLLM " + ", ".join(missing) + ": unpack its "
+            "wheel's sources with `make pristine` (make test runs it)"
         )
 
 

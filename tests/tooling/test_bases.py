@@ -7,8 +7,9 @@ writing, lints every base on its own vLLM, and names what does not carry
 over when a series is moved onto a newer release.
 
 The project's own series run on pristine trees of both releases
-(``pristine_caches``: built from .venv and .venv-0.33.0); a test that needs
-a base whose venv is missing is skipped, naming `make setup BASE=...`.
+(``pristine_caches``: from .venv, and from .venv-0.33.0 or the 0.33.0
+wheel's sources that `make pristine` unpacks); without either a test that
+needs that base is skipped, naming `make pristine`, which `make test` runs.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 import pytest
 
 import apply
-from _apply import command_line, parse_patch
+from _apply import parse_patch
 from tests.tooling.conftest import (
     BASE,
     BASES,
@@ -265,32 +266,79 @@ def test_a_base_directory_is_not_a_patch_set_of_its_own(small_target):
             ) in proc.stderr
 
 
-def test_without_target_the_python_that_runs_apply_names_its_venv(pristine_caches):
+TOOL_FILES = ("apply.py", "_apply.py", "_cli.py", "_upstream.py")
+
+
+def project_with_venvs(caches: dict[str, Path], dest: Path) -> Path:
+    """A copy of this project (the tool and its patch set) at ``dest`` with a
+    venv of its own per base, named as `make setup` names them (``.venv``,
+    ``.venv-VERSION``): this interpreter's Python, and the pristine tree of
+    that base's vLLM in its site-packages. Not this project's venvs: a fresh
+    clone's `make test` has ``.venv`` alone."""
+    project = copy_project(dest)
+    for name in TOOL_FILES:
+        shutil.copy2(PROJECT_DIR / name, project / name)
+    python = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for version in BASES:
+        venv = project / (".venv" if version == DEFAULT else f".venv-{version}")
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True
+        )
+        site_packages = venv / "lib" / python / "site-packages"
+        site_packages.rmdir()  # empty: the venv's Python has no packages
+        linked_copy(caches[version], site_packages)
+    return project
+
+
+def test_without_target_the_python_that_runs_apply_names_its_venv(
+    pristine_caches, tmp_path
+):
     """``.venv-0.33.0/bin/python apply.py status`` asks about .venv-0.33.0
-    (and so does code importing apply there), plain python3 about .venv."""
+    (and so does code importing apply in it), plain python3 about .venv."""
     need_bases(pristine_caches, *BASES)
+    project = project_with_venvs(pristine_caches, tmp_path / "k3-sppp")
     for version in BASES:
-        python = apply.venv(version) / "bin" / "python"
-        proc = subprocess.run(
-            [str(python), str(PROJECT_DIR / "apply.py"), "status", "--json"],
-            capture_output=True,
-            text=True,
-        )
-        report = json.loads(proc.stdout)
-        assert report["target"] == str(apply.target_root(apply.venv(version)))
-        assert report["vllm_version"] == version
+        venv = project / (".venv" if version == DEFAULT else f".venv-{version}")
+        root = next(venv.glob("lib/python*/site-packages"))
+        for python in (venv / "bin" / "python", Path(sys.executable)):
+            if version != DEFAULT and python == Path(sys.executable):
+                continue  # another Python than the venv's asks about .venv
+            proc = subprocess.run(
+                [str(python), str(project / "apply.py"), "status", "--json"],
+                capture_output=True,
+                text=True,
+            )
+            report = json.loads(proc.stdout)
+            assert report["target"] == str(root.resolve()), (python, report)
+            assert report["vllm_version"] == version
 
 
-def test_commands_name_a_base_venv_by_its_make_variable(pristine_caches, monkeypatch):
+def test_commands_name_a_base_venv_by_its_make_variable(pristine_caches, tmp_path):
     need_bases(pristine_caches, *BASES)
-    monkeypatch.chdir(PROJECT_DIR)
+    project = project_with_venvs(pristine_caches, tmp_path / "k3-sppp")
+    names = {}
     for version in BASES:
-        root = apply.target_root(apply.venv(version))
+        venv = project / (".venv" if version == DEFAULT else f".venv-{version}")
+        names[version] = next(venv.glob("lib/python*/site-packages"))
+    ask = (
+        "import json, sys; from _apply import command_line as c; "
+        "roots = json.loads(sys.argv[1]); print(json.dumps({v: [c(None, r, "
+        "'revert'), c(None, r, 'revert', '--force')] for v, r in roots.items()}))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", ask, json.dumps({v: str(r) for v, r in names.items()})],
+        capture_output=True,
+        text=True,
+        cwd=project,
+    )
+    assert proc.returncode == 0, proc.stderr
+    commands = json.loads(proc.stdout)
+    for version in BASES:
         make = "" if version == DEFAULT else f" BASE={version}"
-        assert command_line(PROJECT_DIR, root, "revert") == f"make revert{make}"
-        assert command_line(PROJECT_DIR, root, "revert", "--force") == (
-            f"make revert FORCE=1{make}"
-        )
+        assert commands[version] == [
+            f"make revert{make}",
+            f"make revert FORCE=1{make}",
+        ]
 
 
 # -- lint: every series on its own vLLM -----------------------------------------
@@ -367,7 +415,8 @@ def test_lint_wants_each_base_version_where_its_directory_and_setup_cfg_say(
 
 
 def test_lint_names_the_venv_a_base_lacks(tmp_path):
-    """Without a tree of a base's vLLM, lint says what builds one."""
+    """Without a tree of a base's vLLM, lint says what builds one: its venv
+    or its wheel's sources."""
     project = copy_project(tmp_path / "k3-sppp")
     (project / "setup.cfg").unlink()
     shutil.copytree(series_dir(project), project / "bases/9.9.9/patches")
@@ -379,7 +428,9 @@ def test_lint_names_the_venv_a_base_lacks(tmp_path):
     ) in proc.stderr
     assert (
         f"vLLM 9.9.9 ({project / 'bases/9.9.9/patches'}): no vLLM 9.9.9 venv at "
-        f"{PROJECT_DIR / '.venv-9.9.9'} (`make setup BASE=9.9.9` builds it)"
+        f"{PROJECT_DIR / '.venv-9.9.9'} (`make setup BASE=9.9.9` builds it), no "
+        f"sources of its wheel at {PROJECT_DIR / '.cache/pristine-vllm-9.9.9'} "
+        "(`make pristine` unpacks them)"
     ) in proc.stderr
 
 

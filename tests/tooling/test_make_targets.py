@@ -253,11 +253,74 @@ def clone_for_make_test(clone: Path, interpreter: str, venv: str = ".venv") -> N
     stub.write_text(f"#!/bin/sh\n{interpreter}")
     stub.chmod(stub.stat().st_mode | stat.S_IEXEC)
     (clone / venv / ".k3-sppp-setup").touch()
+    for version in (DEFAULT, *OTHERS):  # `make pristine` has nothing to do
+        (clone / ".cache" / f"pristine-vllm-{version}").mkdir(parents=True)
     (clone / "apply.py").write_text(
         "import sys\n"
         f"with open({str(clone / 'apply.log')!r}, 'a') as f:\n"
         "    f.write(' '.join(sys.argv[1:]) + '\\n')\n"
     )
+
+
+@pytest.mark.parametrize(("args", "venv", "version"), BASES)
+def test_make_test_unpacks_each_other_base_that_has_neither_venv_nor_sources(
+    fresh_clone, tmp_path, args, venv, version
+):
+    """`make test` runs `make pristine` first: for each other base without a
+    venv or an unpacked tree, the wheel pip downloads (no dependencies) is
+    unpacked into .cache/pristine-vllm-VERSION by _pristine.py, and the
+    download is removed; a base that has either is left alone, and a failed
+    unpacking fails make test before any test runs."""
+    calls = tmp_path / "calls"
+    clone_for_make_test(
+        fresh_clone,
+        f'echo "$@" >> {calls}\n'
+        'if [ "$1 $2 $3" = "-m pip download" ]; then\n'
+        '  for a; do dir=$a; done; touch "$dir/vllm-${6#vllm==}-py3-none-any.whl"; fi\n'
+        'case "$1" in _pristine.py) exit ${UNPACK_EXIT:-0} ;; esac\n',
+        venv,
+    )
+    others = [v for v in (DEFAULT, *OTHERS) if v != version]
+    for other in others:
+        (fresh_clone / ".cache" / f"pristine-vllm-{other}").rmdir()
+    result = make("test", *args, "TEST_PATHS=tests/unit", cwd=fresh_clone)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = calls.read_text().splitlines()
+    unpacked = []
+    for other in others:
+        download = next(ln for ln in lines if f"vllm=={other}" in ln)
+        assert download.startswith("-m pip download --quiet --no-deps ")
+        wheel_dir = download.split(" -d ")[1]
+        assert not (fresh_clone / wheel_dir).exists()  # removed after
+        unpacked.append(
+            f"_pristine.py {wheel_dir}/vllm-{other}-py3-none-any.whl "
+            f".cache/pristine-vllm-{other}"
+        )
+    assert [ln for ln in lines if ln.startswith("_pristine.py")] == unpacked
+    assert lines[-1] == "-m pytest tests/unit"
+
+    # Each other base with a tree of its own (its venv, or its unpacked
+    # sources): nothing is downloaded.
+    calls.unlink()
+    for other in others:
+        (fresh_clone / ".cache" / f"pristine-vllm-{other}").mkdir()
+    assert make("test", *args, "TEST_PATHS=tests/unit", cwd=fresh_clone).returncode == 0
+    assert calls.read_text().splitlines() == ["-m pytest tests/unit"]
+
+    # A wheel that does not unpack: make test fails before pytest.
+    calls.unlink()
+    for other in others:
+        (fresh_clone / ".cache" / f"pristine-vllm-{other}").rmdir()
+    env_result = subprocess.run(
+        ["make", "-s", "test", *args, "TEST_PATHS=tests/unit"],
+        capture_output=True,
+        text=True,
+        cwd=fresh_clone,
+        env={**os.environ, "UNPACK_EXIT": "1", "MAKEFLAGS": ""},
+    )
+    assert env_result.returncode != 0
+    assert "-m pytest tests/unit" not in calls.read_text().splitlines()
+    assert not list((fresh_clone / ".cache").glob("wheel-*"))
 
 
 @pytest.mark.parametrize("code", [0, 1])
@@ -335,3 +398,16 @@ def test_make_test_of_a_base_applies_and_runs_in_its_venv(
         f"apply --target={venv}",
     ]
     assert calls.read_text().splitlines() == [f"{venv}/bin/python -m pytest tests/unit"]
+
+
+def test_ci_begins_with_the_readmes_two_commands_on_the_fresh_clone():
+    """The README promises that `make apply` then `make test` pass on a fresh
+    clone: CI runs exactly those first, before any other target (`make lint`
+    builds .venv-0.33.0, which `make test` must not need)."""
+    readme = (PROJECT_DIR / "README.md").read_text()
+    setup = readme.split("\n## Set up\n", 1)[1].split("\n## ", 1)[0]
+    promised = [ln.strip() for ln in setup.splitlines() if ln.startswith("    make ")]
+    assert promised == ["make apply", "make test"]
+    ci = (PROJECT_DIR / ".ci" / "run").read_text()
+    makes = [ln.strip() for ln in ci.splitlines() if ln.split()[:1] == ["make"]]
+    assert makes[:2] == promised, makes
