@@ -128,13 +128,15 @@ def rank_buffers(request: Request) -> RankBuffers:
     return RankBuffers(**result)
 
 
-def measure(tp: int, pp: int, request: Request) -> list[RankBuffers]:
+def measure(tp: int, pp: int, *requests: Request) -> list[list[RankBuffers]]:
+    """Every rank's buffers for each request, on one pool of ranks."""
     from tests.sppp_testbed.launcher import RankPool
     from vllm.distributed import destroy_model_parallel
 
     pool = RankPool(tp, pp)
     try:
-        found = pool.run(rank_buffers, request)
+        found = [pool.run(rank_buffers, request) for request in requests]
+        # vLLM's teardown unlinks each TP group's shared-memory broadcaster.
         pool.run(destroy_model_parallel)
     finally:
         pool.close()
@@ -257,7 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         help="MLA layers on stage 1 for the KV block size (default 12: one in "
         "four of 46, an assumption)",
     )
-    parser.add_argument("--log", type=Path, default=DEFAULT_LOG)
+    parser.add_argument(
+        "--log",
+        type=Path,
+        default=DEFAULT_LOG,
+        help="where the ranks' start-up output goes (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     args.log.parent.mkdir(parents=True, exist_ok=True)
@@ -277,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         widest_graph=args.widest_graph,
     )
     with printing_to(str(args.log)):
-        ranks = measure(args.tp, args.pp, request)
+        (ranks,) = measure(args.tp, args.pp, request)
     lines = measured_table(args.tp, args.pp, request, ranks)
     blocks = [int(x) for x in args.block_sizes.split(",") if x]
     lines += ["", *derived_table(blocks, args.mla_layers)]
