@@ -198,9 +198,7 @@ def test_later_stage_refuses_the_batchs_rows(make_stage, collectives, num_tokens
 
 
 @pytest.mark.parametrize("num_tokens", [3, 8, 17, 64])
-def test_later_stage_refuses_rows_that_are_neither_its_shard_nor_the_batch(
-    make_stage, collectives, num_tokens
-):
+def test_later_stage_refuses_another_stages_shard(make_stage, collectives, num_tokens):
     """A sender that padded the batch to other N sends another shard size;
     slicing it would mix rows, so the model names what arrived instead."""
     model = make_stage(first=False, last=False, layers=range(2, 3))
