@@ -34,6 +34,11 @@
 #                       the ranks' start-up output: build/comm-report.log);
 #                       beside it 0.34.0's replicated hand-off, per rank and
 #                       per N (measured, then derived to N=32768)
+#   make buffer-report  bytes each rank keeps in its PP hand-off buffers
+#                       (receive buffers, capture outputs), full capacity
+#                       against shard-sized, on real CPU ranks
+#                       (BUFFER_ARGS="--tp 8 --pp 2"), then derived at Kimi
+#                       K3's production shape
 #   make serve          print one arm's serve command for one node; RUN=1
 #                       checks the node and starts it: ARM=mega-sp|fi-ep|
 #                       fi-noep|mega-sp-seed NODE_RANK= CHECKPOINT= (or
@@ -113,8 +118,8 @@ PYTEST_ARGS ?=
 TEST_PATHS ?=
 
 .PHONY: help setup apply revert status check test pristine lint manifest pr-diff \
-	rebase comm-report nccl-bench serve evaluate gsm8k gsm8k-compare bench bench-report \
-	gpu-bundle mutate test-serving
+	rebase comm-report buffer-report nccl-bench serve evaluate gsm8k gsm8k-compare bench \
+	bench-report gpu-bundle mutate test-serving
 
 help:
 	@sed -n '3,/^$$/s/^# \{0,1\}//p' $(MAKEFILE_LIST)
@@ -269,6 +274,9 @@ rebase: setup
 
 comm-report: setup
 	$(VPY) -m eval.comm_report $(COMM_ARGS)
+
+buffer-report: setup
+	$(VPY) -m eval.buffer_report $(BUFFER_ARGS)
 
 NPROC ?= 4
 nccl-bench: setup

@@ -142,7 +142,7 @@ def test_sp_end_of_stage_is_one_packed_gather(pool, reference):
 @topologies((2, 2))
 def test_sp_across_stages_through_the_legacy_runner_buffers(pool, reference):
     """The receiving stage takes the hand-off through the legacy runner's
-    full-capacity buffers, copied by its own (patched) code, which the V2
+    shard-sized buffers, copied by its own (patched) code, which the V2
     runner shares (hand_over_intermediate_tensors): the model gets exactly
     the sender's shard."""
     chosen = [Scenario(True, n, runner="legacy") for n in (1, 3, 8, 17, 64)]
@@ -351,10 +351,10 @@ def budget_scenarios() -> list[Scenario]:
 def test_the_whole_budget_fits_the_moe_buffer_on_every_stage(pool, reference):
     """At N = max_num_batched_tokens every MoE layer of every stage gets its
     shard, ceil(N/TP) rows: in a real step, and in a dummy run, where later
-    stages get N rows of the runner's full-capacity buffers and narrow them
-    once. From vLLM 0.34.0 that is exactly what MegaMoE's buffer holds under
-    SP (sized ceil(N/TP), and refusing more), so a stage that failed to
-    narrow, or narrowed twice, fails here; 0.33.0 sized it for N."""
+    stages get the leading rows of the runner's shard-sized receive buffers.
+    From vLLM 0.34.0 that is exactly what MegaMoE's buffer holds under SP
+    (sized ceil(N/TP), and refusing more), so a stage handed more rows, or
+    that narrowed twice, fails here; 0.33.0 sized it for N."""
     n = MAX_NUM_BATCHED_TOKENS
     rows = sp_shard_rows(n, pool.tp)
     found = failures(pool, budget_scenarios()[:1], reference)

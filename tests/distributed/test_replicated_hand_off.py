@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from tests.distributed.conftest import topologies
@@ -24,6 +25,7 @@ from tests.distributed.test_kimi_k3_stages import (
     boundary_keys,
     mismatches,
 )
+from tests.sppp_testbed.launcher import RankFailure
 from tests.sppp_testbed.stages import Scenario, run_step
 from tests.sppp_testbed.tiny_k3 import DTYPE
 
@@ -143,8 +145,14 @@ def test_replicated_hand_off_gathers_before_the_send_and_shards_after(pool):
 
 @topologies((2, 2))
 def test_a_replicated_arm_that_skips_its_reshard_is_caught(pool, reference):
-    """Handed the N received rows, every later stage takes rows [0, c): the
-    outputs move on every last-stage rank."""
+    """Handed the N received rows instead of its shard, every later-stage
+    rank refuses them: the model takes only the shard it declares."""
     faulty = Scenario(True, 17, handoff="replicated", fault="skip_reshard")
-    problems = mismatches(pool.run(run_step, faulty), reference(faulty), pool.tp)
-    assert len(problems) == pool.tp and all("max error" in p for p in problems)
+    with pytest.raises(RankFailure) as failure:
+        pool.run(run_step, faulty)
+    message = str(failure.value)
+    refused = (
+        "ValueError: Received hidden_states with 17 rows for a batch of N=17 "
+        "tokens at TP=2: a sequence-parallel hand-off has ceil(N/TP)=9 rows"
+    )
+    assert message.count(refused) == pool.tp, message

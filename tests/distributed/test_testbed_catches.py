@@ -139,20 +139,29 @@ def test_the_runner_refuses_another_stages_padding_before_the_copy(pool):
 
 
 @topologies((2, 2))
-def test_a_later_stage_that_does_not_narrow_fails_its_dummy_run(pool, reference):
-    """A later stage that takes what it is handed as its shard runs real
-    steps right (it receives its shard) but not a dummy run, whose
-    full-capacity buffers' N rows it would run as N shard rows: the budget's
-    127 rows meet the 64-row shard after the first attention block."""
-    n = MAX_NUM_BATCHED_TOKENS
-    real = Scenario(True, n, fault="skip_narrowing")
-    assert not mismatches(pool.run(run_step, real), reference(real), pool.tp)
-    with pytest.raises(RankFailure) as failure:
-        pool.run(run_step, Scenario(True, n, dummy_run=True, fault="skip_narrowing"))
-    message = str(failure.value)
-    for rank in (2, 3):
-        assert f"--- rank {rank} (TP {rank % 2}, PP 1) ---" in message
-    assert "The size of tensor a (64) must match the size of tensor b (127)" in message
+def test_a_dummy_run_that_is_not_narrowed_fails(pool, reference):
+    """A hand-over that skips the row rule on a dummy run hands the model the
+    first N rows of full-capacity buffers (the runner before its buffers were
+    shard-sized), not the c rows a real step hands: real steps still match,
+    the dummy run is refused by the model on both later-stage ranks."""
+    for n in (17, 64):
+        real = Scenario(True, n, fault="skip_narrowing")
+        assert not mismatches(pool.run(run_step, real), reference(real), pool.tp)
+        with pytest.raises(RankFailure) as failure:
+            pool.run(
+                run_step, Scenario(True, n, dummy_run=True, fault="skip_narrowing")
+            )
+        message = str(failure.value)
+        for rank in (2, 3):
+            assert f"--- rank {rank} (TP {rank % 2}, PP 1) ---" in message
+        assert (
+            message.count(
+                f"ValueError: Received hidden_states with {n} rows for a batch of "
+                f"N={n} tokens at TP=2: a sequence-parallel hand-off has "
+                f"ceil(N/TP)={-(-n // 2)} rows"
+            )
+            == 2
+        ), message
 
 
 @topologies((2, 2))

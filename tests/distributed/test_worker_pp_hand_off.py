@@ -33,7 +33,10 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.worker import gpu_worker
 from vllm.v1.worker.gpu import model_runner as v2
 from vllm.v1.worker.gpu_worker import Worker
-from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+from vllm.v1.worker.pp_intermediate_tensors import (
+    hand_off_rows,
+    hand_over_intermediate_tensors,
+)
 
 if HAS_LEGACY_RUNNER:
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
@@ -165,8 +168,11 @@ def run_worker_steps(steps: tuple[int, ...]) -> tuple[bool, list[torch.Tensor]]:
         load = runner.load_model
         runner.load_model = lambda load_dummy_weights: load(model=model)
         worker.load_model()
+        # As the V2 runner allocates them at the end of load_model.
         runner.intermediate_tensors = model.make_empty_intermediate_tensors(
-            CAPACITY, torch.get_default_dtype(), runner.device
+            hand_off_rows(CAPACITY, runner._pp_hand_off),
+            torch.get_default_dtype(),
+            runner.device,
         )
         torch.set_num_threads(threads)  # load_model sets serving's count
         for num_tokens in steps:

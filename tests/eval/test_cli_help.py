@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from eval import bench, comm_report, evaluate, gsm8k, nccl_bench, serve
+from eval import bench, buffer_report, comm_report, evaluate, gsm8k, nccl_bench, serve
 
 
 class Parsed(Exception):
@@ -42,7 +42,7 @@ def options(parser: argparse.ArgumentParser):
 
 @pytest.mark.parametrize(
     "tool",
-    [bench, comm_report, evaluate, gsm8k, nccl_bench, serve],
+    [bench, buffer_report, comm_report, evaluate, gsm8k, nccl_bench, serve],
     ids=lambda m: m.__name__,
 )
 def test_every_option_has_a_help_text(tool, monkeypatch):

@@ -46,7 +46,9 @@ from vllm.sequence import IntermediateTensors
 
 DECLARED_TP = 2
 HIDDEN = 32
-CAPACITY = 64  # the persistent buffers' max_num_tokens
+CAPACITY = 64  # the runner's max_num_tokens
+# The persistent receive buffers' rows: the declared shard of the capacity.
+BUFFER_ROWS = -(-CAPACITY // DECLARED_TP)
 CAPTURE_SIZES = [1, 2, 4, 8, 16, 32]
 # Real steps: token counts and what the dispatcher pads them to.
 STEP_TOKENS = [1, 3, 5, 8, 13, 32, 13]
@@ -55,8 +57,8 @@ STEP_TOKENS = [1, 3, 5, 8, 13, 32, 13]
 class ShardedStage(nn.Module):
     """A middle PP stage whose hand-off is sequence parallel.
 
-    It narrows what the runner hands it with the series' own
-    ``narrow_to_sequence_parallel_rows`` (to ``ceil(N / TP)`` rows), mixes
+    It checks what the runner hands it with the series' own
+    ``check_sequence_parallel_rows`` (``ceil(N / TP)`` rows), mixes
     every earlier local row into each row (a prefix sum, so a stale or
     misplaced row changes all later ones) and returns as many rows. It
     declares its hand-off as the K3 model does.
@@ -84,13 +86,11 @@ class ShardedStage(nn.Module):
         **kwargs: Any,
     ) -> IntermediateTensors:
         from vllm.models.kimi_k3.nvidia.sequence_parallel import (
-            narrow_to_sequence_parallel_rows,
+            check_sequence_parallel_rows,
         )
 
         assert intermediate_tensors is not None
-        local = narrow_to_sequence_parallel_rows(
-            intermediate_tensors, positions.shape[0]
-        )
+        local = check_sequence_parallel_rows(intermediate_tensors, positions.shape[0])
         hidden, residual = local["hidden_states"], local["residual"]
         mixed = torch.cumsum(torch.tanh(hidden @ self.weight), dim=0)
         return IntermediateTensors(
@@ -194,6 +194,7 @@ def capture_graphs(device: torch.device, model: nn.Module | None = None) -> Stag
     """Capture FULL graphs of ``model`` (a :class:`ShardedStage` by default)
     for every capture size with vLLM's V2 graph manager (call under
     :func:`declared_topology`)."""
+    from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
     from vllm.platforms import current_platform
     from vllm.v1.worker.gpu import cudagraph_utils
 
@@ -207,10 +208,14 @@ def capture_graphs(device: torch.device, model: nn.Module | None = None) -> Stag
         )
     finally:
         current_platform.get_global_graph_pool = saved_pool
+    from vllm.v1.worker.pp_intermediate_tensors import hand_off_rows
+
     model = (model or ShardedStage()).to(device)
+    hand_off = get_pp_hand_off_declaration(model)
+    # Sized as the runner sizes them: the declared rows of its capacity.
     buffers = IntermediateTensors(
         {
-            key: torch.zeros(CAPACITY, HIDDEN, device=device)
+            key: torch.zeros(hand_off_rows(CAPACITY, hand_off), HIDDEN, device=device)
             for key in ("hidden_states", "residual")
         }
     )
@@ -236,6 +241,7 @@ def capture_graphs(device: torch.device, model: nn.Module | None = None) -> Stag
             block_tables=None,
             attn_groups=[],
             kv_cache_config=types.SimpleNamespace(kv_cache_groups=[]),
+            pp_hand_off=hand_off,
         )
     finally:
         cudagraph_utils.prepare_inputs_to_capture = saved_prepare
@@ -322,7 +328,7 @@ def check_graph_replay(stage: Stage, log: Callable[[str], None]) -> list[str]:
         )
         if pointers(handed) != before or pointers(buffers) != before:
             problems.append(f"N={num_tokens}: hand-over moved the persistent buffers")
-        if {t.shape[0] for t in buffers.tensors.values()} != {CAPACITY}:
+        if {t.shape[0] for t in buffers.tensors.values()} != {BUFFER_ROWS}:
             problems.append(f"N={num_tokens}: buffers lost their capacity")
         shapes = {t.shape[0] for t in output.tensors.values()}
         if shapes != {rows}:
@@ -538,8 +544,8 @@ def capture_legacy_graphs(device: torch.device) -> Stage:
     """Capture FULL graphs of :class:`ShardedStage` with the legacy runner's
     ``CUDAGraphWrapper``, as its ``_dummy_run`` does: vLLM's
     ``CudagraphDispatcher`` picks each capture size's descriptor, the runner's
-    hand-over gives the full-capacity buffers' first ``N`` rows (no tensors
-    received) and the model narrows them (call under
+    hand-over gives the shard-sized buffers' leading ``ceil(N / TP)`` rows
+    (no tensors received), as a real step does (call under
     :func:`declared_topology`)."""
     from vllm.compilation import cuda_graph
     from vllm.forward_context import set_forward_context
@@ -556,7 +562,7 @@ def capture_legacy_graphs(device: torch.device) -> Stage:
     wrapper = cuda_graph.CUDAGraphWrapper(model, config, CUDAGraphMode.FULL)
     buffers = IntermediateTensors(
         {
-            key: torch.zeros(CAPACITY, HIDDEN, device=device)
+            key: torch.zeros(BUFFER_ROWS, HIDDEN, device=device)
             for key in ("hidden_states", "residual")
         }
     )

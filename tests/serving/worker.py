@@ -42,7 +42,10 @@ from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, ModelRunnerOutput
 from vllm.v1.worker import cpu_worker, gpu_worker
 from vllm.v1.worker.gpu.eplb_utils import EPLBController
 from vllm.v1.worker.gpu_worker import Worker as GPUWorker
-from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+from vllm.v1.worker.pp_intermediate_tensors import (
+    hand_off_rows,
+    hand_over_intermediate_tensors,
+)
 
 logger = init_logger(__name__)
 
@@ -187,8 +190,11 @@ class StandInModelRunner:
         )
         self.buffers = None
         if not pp.is_first_rank:
+            # Sized as the runners size theirs: the model's rows for the budget.
             self.buffers = self.model.make_empty_intermediate_tensors(
-                self.max_num_tokens, tiny_k3.DTYPE, self.device
+                hand_off_rows(self.max_num_tokens, self.hand_off),
+                tiny_k3.DTYPE,
+                self.device,
             )
 
     def get_model(self) -> nn.Module:
@@ -357,8 +363,8 @@ class Worker(cpu_worker.CPUWorker):
 
     def determine_available_memory(self) -> int:
         # The GPU worker profiles before it sizes the KV cache: a dummy run
-        # of the whole token budget (later stages hand the model their full
-        # receive buffers, which an SP model narrows), then a dummy sampler
+        # of the whole token budget (later stages hand the model the leading
+        # rows of their receive buffers, its shard under SP), then a dummy sampler
         # run. CPUWorker skips it with --enforce-eager and an explicit KV
         # cache size; the V2 runner runs it here as on a GPU node.
         if not HAS_LEGACY_RUNNER:

@@ -20,8 +20,9 @@ what it received before its layers run.
 
 A dummy run (``Scenario(dummy_run=True)``) is what memory profiling, the
 dummy runs and CUDA graph capture run on every stage alone, with no PP
-traffic: later stages get the first ``N`` rows of the runner's full-capacity
-receive buffers through the series' hand-over, and the model narrows them.
+traffic: later stages get the leading rows of the runner's receive buffers
+(sized by the model's declaration: its shard of the runner's capacity under
+SP) through the series' hand-over, exactly the rows a real step hands.
 """
 
 from __future__ import annotations
@@ -86,9 +87,15 @@ except ImportError:  # pristine vLLM's runner keeps nothing
         return None
 
 
-try:  # what the patched runners hand the model
-    from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
-except ImportError:  # pristine vLLM's V2 runner: a dummy run's first N rows
+try:  # what the patched runners hand the model, and how they size buffers
+    from vllm.v1.worker.pp_intermediate_tensors import (
+        hand_off_rows,
+        hand_over_intermediate_tensors,
+    )
+except ImportError:  # pristine vLLM's V2 runner: full buffers, a dummy run's N
+
+    def hand_off_rows(num_tokens, hand_off):
+        return num_tokens
 
     def hand_over_intermediate_tensors(buffers, received, num_tokens, hand_off):
         assert received is None, "pristine real steps are not run this way"
@@ -129,7 +136,7 @@ class Scenario:
     # DSA on every full-attention layer (dsa_config; vLLM 0.34.0).
     dsa: bool = False
     # A dummy run (profiling, dummy runs, capture) on every stage alone,
-    # later stages on the runner's full-capacity buffers; no PP traffic.
+    # later stages on the runner's receive buffers; no PP traffic.
     dummy_run: bool = False
     # How SP stages hand on their shards (HANDOFFS): "sharded", the series'
     # shard-to-shard transport, or "replicated", 0.34.0's gather, send,
@@ -271,17 +278,22 @@ def mtp_skips_gather(model: torch.nn.Module) -> None:
 
 
 def skip_narrowing(model: torch.nn.Module) -> None:
-    """Later stages take full-capacity buffers' N rows as their shard."""
-    k3.narrow_to_sequence_parallel_rows = lambda tensors, num_tokens: tensors
+    """A dummy run's hand-over skips the row rule: later stages get the first
+    N rows of full-capacity buffers, as before the buffers were shard-sized
+    (applied in :func:`dummy_run_inputs`)."""
 
 
 def narrow_twice(model: torch.nn.Module) -> None:
-    """Later stages narrow what they narrowed once again: c = ceil(c/TP)."""
-    narrow = k3.narrow_to_sequence_parallel_rows
-    k3.narrow_to_sequence_parallel_rows = lambda tensors, num_tokens: narrow(
-        narrow(tensors, num_tokens),
-        cdiv(num_tokens, get_tp_group().world_size),
-    )
+    """Later stages narrow the shard they were handed once more: the first
+    ceil(c/TP) rows of its c."""
+    check = k3.check_sequence_parallel_rows
+
+    def narrowed(tensors: IntermediateTensors, num_tokens: int) -> IntermediateTensors:
+        tensors = check(tensors, num_tokens)
+        rows = cdiv(intermediate_rows(tensors), get_tp_group().world_size)
+        return tensors[:rows]
+
+    k3.check_sequence_parallel_rows = narrowed
 
 
 FAULTS = {
@@ -358,15 +370,29 @@ def skip_reshard(received: IntermediateTensors) -> IntermediateTensors:
 HANDOFF_FAULTS = {"skip_reshard": skip_reshard}
 
 
-# The runners' persistent receive buffers: max_num_tokens rows.
+# The runners' capacity (max_num_tokens); their persistent receive buffers
+# hold hand_off_rows(RUNNER_CAPACITY, declaration) rows.
 RUNNER_CAPACITY = MAX_NUM_BATCHED_TOKENS
+
+
+def receive_buffers(
+    model: torch.nn.Module, rows: int | None = None
+) -> IntermediateTensors:
+    """A runner's persistent receive buffers for ``model``: as many rows as
+    its declaration gives the runner's capacity, unless ``rows`` says."""
+    if rows is None:
+        rows = hand_off_rows(RUNNER_CAPACITY, get_pp_hand_off_declaration(model))
+    return model.make_empty_intermediate_tensors(
+        rows, torch.get_default_dtype(), torch.device("cpu")
+    )
 
 
 def through_legacy_runner(
     model: torch.nn.Module, received: IntermediateTensors, num_tokens: int
 ) -> IntermediateTensors:
     """What the legacy runner hands the model after a hand-off: the received
-    rows copied into its full-capacity buffers by its own code."""
+    rows copied into its receive buffers (sized as its _dummy_run sizes
+    them) by its own code."""
     # The runner's view of the model: aux relay slots reserved in its
     # buffers, as set_eagle3_aux_hidden_state_layers does.
     wrapper = types.SimpleNamespace(
@@ -376,7 +402,9 @@ def through_legacy_runner(
     reserve_aux_intermediate_tensor_slots(wrapper)
     runner = types.SimpleNamespace(
         intermediate_tensors=wrapper.make_empty_intermediate_tensors(
-            RUNNER_CAPACITY, torch.get_default_dtype(), torch.device("cpu")
+            hand_off_rows(RUNNER_CAPACITY, get_pp_hand_off_declaration(model)),
+            torch.get_default_dtype(),
+            torch.device("cpu"),
         ),
         get_model=lambda: model,
         _pp_hand_off=get_pp_hand_off_declaration(model),
@@ -392,21 +420,22 @@ def intermediate_rows(output: IntermediateTensors) -> int:
 
 
 def dummy_run_inputs(
-    model: torch.nn.Module, num_tokens: int, seed: int
+    model: torch.nn.Module, num_tokens: int, seed: int, fault: str = ""
 ) -> IntermediateTensors | None:
     """What the V2 runner hands a later stage's model on a dummy run (memory
-    profiling, ``_dummy_run``; capture slices the same buffers): the first
-    ``num_tokens`` rows of its ``max_num_tokens``-row receive buffers, through
-    the hand-over with nothing received. They hold whatever was there; here,
-    seeded values."""
+    profiling, ``_dummy_run``, capture): the leading rows of its receive
+    buffers, through the hand-over with nothing received. They hold whatever
+    was there; here, seeded values. ``fault="skip_narrowing"``: the first
+    ``num_tokens`` rows of full-capacity buffers, the row rule skipped."""
     if get_pp_group().is_first_rank:
         return None
-    buffers = model.make_empty_intermediate_tensors(
-        RUNNER_CAPACITY, torch.get_default_dtype(), torch.device("cpu")
-    )
+    skip = fault == "skip_narrowing"
+    buffers = receive_buffers(model, RUNNER_CAPACITY if skip else None)
     generator = torch.Generator().manual_seed(seed)
     for tensor in buffers.tensors.values():
         tensor.copy_(torch.randn(tensor.shape, generator=generator))
+    if skip:
+        return buffers[:num_tokens]
     return hand_over_intermediate_tensors(
         buffers, None, num_tokens, get_pp_hand_off_declaration(model)
     )
@@ -529,7 +558,9 @@ def run_step(scenario: Scenario) -> StageResult:
         )
         intermediate = None
         if scenario.dummy_run:
-            intermediate = dummy_run_inputs(model, scenario.num_tokens, scenario.seed)
+            intermediate = dummy_run_inputs(
+                model, scenario.num_tokens, scenario.seed, scenario.fault
+            )
         elif not pp_group.is_first_rank:
             with ledger.in_phase("PP recv"):
                 tensors, handles, postprocess = pp_group.irecv_tensor_dict(

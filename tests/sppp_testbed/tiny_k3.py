@@ -427,15 +427,15 @@ def scenario_config(
 @contextlib.contextmanager
 def stand_ins() -> Iterator[None]:
     """Swap the GPU-only classes in, and restore the modules afterwards
-    (including ``sp_all_gather``, the later stages' narrowing, the MTP layer's
+    (including ``sp_all_gather``, the later stages' row check, the MTP layer's
     SP ops and the packed-gather limit, which fault injections and scenarios
     may replace)."""
-    # What faults replace: the gather, and the narrowing of later stages.
-    replaceable = ("sp_all_gather", "narrow_to_sequence_parallel_rows")
+    # What faults replace: the gather, and the row check of later stages.
+    replaceable = ("sp_all_gather", "check_sequence_parallel_rows")
     saved = {
         name: getattr(k3, name)
         for name in (*STAND_INS, *replaceable)
-        if hasattr(k3, name)  # pristine vLLM has no narrowing
+        if hasattr(k3, name)  # pristine vLLM has no row check
     }
     saved_mtp = {
         name: getattr(k3_mtp, name)

@@ -118,11 +118,13 @@ def rows(num_tokens: int) -> int:
     return sp_shard_rows(num_tokens, TP_SIZE)
 
 
-def incoming(num_tokens: int, capacity: int | None = None, aux: int = 0):
+def incoming(
+    num_tokens: int, capacity: int | None = None, aux: int = 0, hand: int | None = None
+):
     """What an earlier stage sends: this rank's rows; with ``capacity``, what
-    a runner hands instead on a dummy run (profiling, capture): the first
-    ``num_tokens`` rows of a persistent buffer of ``capacity`` rows, this
-    rank's rows at its head."""
+    a runner hands instead on a dummy run (profiling, capture): the leading
+    ``hand`` rows (by default this rank's shard) of a persistent buffer of
+    ``capacity`` rows, this rank's rows at its head."""
     generator = torch.Generator().manual_seed(num_tokens)
     local = {
         key: torch.randn(rows(num_tokens), HIDDEN, generator=generator)
@@ -134,7 +136,7 @@ def incoming(num_tokens: int, capacity: int | None = None, aux: int = 0):
     full = {k: torch.full((capacity, HIDDEN), 1e6) for k in local}
     for key, tensor in local.items():
         full[key][: tensor.shape[0]] = tensor
-    return IntermediateTensors(full)[:num_tokens]
+    return IntermediateTensors(full)[: rows(num_tokens) if hand is None else hand]
 
 
 def test_model_and_every_layer_ask_the_one_decision(make_stage):
@@ -165,23 +167,38 @@ def test_first_stage_shards_once_and_hands_on_local_rows(
 
 
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-def test_later_stage_never_shards_and_narrows_full_buffers_once(
+def test_later_stage_never_shards_and_takes_its_shard_as_it_is(
     make_stage, collectives, num_tokens
 ):
+    """What a dummy run hands (the leading shard rows of shard-sized
+    buffers) runs as the received shard does."""
     model = make_stage(first=False, last=False, layers=range(2, 3))
     positions = torch.arange(num_tokens)
     local = model(None, positions, incoming(num_tokens))
-    padded = model(None, positions, incoming(num_tokens, capacity=64 * TP_SIZE))
+    buffered = model(None, positions, incoming(num_tokens, capacity=64))
     assert collectives.count("shard") == 0
     for key in ("hidden_states", "residual"):
         assert local[key].shape == (rows(num_tokens), HIDDEN)
-        torch.testing.assert_close(padded[key], local[key], rtol=0, atol=0)
+        torch.testing.assert_close(buffered[key], local[key], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("num_tokens", [3, 8, 17, 64])
-def test_later_stage_refuses_rows_that_are_neither_its_shard_nor_the_batch(
-    make_stage, collectives, num_tokens
-):
+def test_later_stage_refuses_the_batchs_rows(make_stage, collectives, num_tokens):
+    """A runner that skipped the row rule hands N rows of full-capacity
+    buffers; the model takes only its shard and names what arrived."""
+    model = make_stage(first=False, last=False, layers=range(2, 3))
+    full = incoming(num_tokens, capacity=64 * TP_SIZE, hand=num_tokens)
+    with pytest.raises(ValueError) as refused:
+        model(None, torch.arange(num_tokens), full)
+    assert str(refused.value).startswith(
+        f"Received hidden_states with {num_tokens} rows for a batch of "
+        f"N={num_tokens} tokens at TP={TP_SIZE}: a sequence-parallel hand-off "
+        f"has ceil(N/TP)={rows(num_tokens)} rows."
+    )
+
+
+@pytest.mark.parametrize("num_tokens", [3, 8, 17, 64])
+def test_later_stage_refuses_another_stages_shard(make_stage, collectives, num_tokens):
     """A sender that padded the batch to other N sends another shard size;
     slicing it would mix rows, so the model names what arrived instead."""
     model = make_stage(first=False, last=False, layers=range(2, 3))
@@ -192,7 +209,7 @@ def test_later_stage_refuses_rows_that_are_neither_its_shard_nor_the_batch(
     assert str(refused.value).startswith(
         f"Received hidden_states with {sender_rows} rows for a batch of "
         f"N={num_tokens} tokens at TP={TP_SIZE}: a sequence-parallel hand-off "
-        f"has ceil(N/TP)={rows(num_tokens)} rows (or N from full buffers)."
+        f"has ceil(N/TP)={rows(num_tokens)} rows."
     )
 
 

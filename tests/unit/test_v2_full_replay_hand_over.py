@@ -54,3 +54,14 @@ def test_last_stage_replay_returns_what_each_size_computed():
             got = stage.manager.run_fullgraph(desc)
             assert got.shape == (num_tokens, checks.HIDDEN)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_capture_outputs_hold_the_shard_of_the_widest_graph():
+    """A non-last stage's capture outputs hold the declared rows of the
+    widest graph, ceil(32 / 2) here: the most any replay returns. The
+    widest graph's 32 rows would leave half of them never written."""
+    with checks.declared_topology():
+        stage = checks.capture_graphs(torch.device("cpu"))
+    widest = max(checks.CAPTURE_SIZES)
+    outputs = stage.manager.intermediate_tensors.tensors.values()
+    assert {t.shape[0] for t in outputs} == {-(-widest // checks.DECLARED_TP)}

@@ -23,9 +23,12 @@ from vllm.distributed.parallel_state import GroupCoordinator
 from vllm.model_executor.models.interfaces import get_pp_hand_off_declaration
 from vllm.models.common.ops.sequence_parallel import sp_shard_rows
 from vllm.sequence import IntermediateTensors
-from vllm.v1.worker.pp_intermediate_tensors import hand_over_intermediate_tensors
+from vllm.v1.worker.pp_intermediate_tensors import (
+    hand_off_rows,
+    hand_over_intermediate_tensors,
+)
 
-CAPACITY = 128  # max_num_tokens rows of the runner's persistent buffers
+CAPACITY = 128  # max_num_tokens: the runner's buffers hold its declared rows
 HIDDEN = 8
 OVERRIDES = {"hidden_states": False, "residual": False}
 
@@ -71,7 +74,7 @@ def test_later_stage_gets_exactly_the_shard_it_was_sent(num_tokens, tp, monkeypa
     monkeypatch.setattr(pipeline, "get_tp_group", lambda: None)
     monkeypatch.setattr(pipeline, "write_input_ids", lambda *args: None)
     buffers = IntermediateTensors(
-        {key: torch.zeros(CAPACITY, HIDDEN) for key in OVERRIDES}
+        {key: torch.zeros(sp_shard_rows(CAPACITY, tp), HIDDEN) for key in OVERRIDES}
     )
     handed = []
 
@@ -91,7 +94,7 @@ def test_later_stage_gets_exactly_the_shard_it_was_sent(num_tokens, tp, monkeypa
         state_views=[],
         drafter=None,
     )
-    inputs = {"input_ids": None, "intermediate_tensors": buffers[:num_tokens]}
+    inputs = {"input_ids": None, "intermediate_tensors": buffers[:rows]}
     pipeline.PipelineBench._prepare_stage(bench, **inputs)
 
     assert pp_group.calls == [("recv", OVERRIDES), ("send", OVERRIDES)]
@@ -131,8 +134,9 @@ class Runner:
     def __init__(self, model: StageModel, num_tokens: int) -> None:
         self.model, self.num_tokens = model, num_tokens
         self._pp_hand_off = get_pp_hand_off_declaration(model)
+        rows = hand_off_rows(CAPACITY, self._pp_hand_off)
         self.intermediate_tensors = IntermediateTensors(
-            {key: torch.zeros(CAPACITY, HIDDEN) for key in OVERRIDES}
+            {key: torch.zeros(rows, HIDDEN) for key in OVERRIDES}
         )
 
     def prepare_inputs(self):

@@ -5,8 +5,9 @@
 A model may keep its stage outputs sequence parallel: each TP rank then sends
 and receives its ``ceil(N / TP)``-row shard instead of ``N`` rows. Runners
 check every received hand-off against the rows the model declares for the
-step (at least ``N`` for a model that declares none, as before) and keep
-their persistent receive buffers at full capacity.
+step (at least ``N`` for a model that declares none, as before) and size
+their persistent hand-off buffers by the same declaration: a shard's rows
+for the runner's capacity, never rows no step writes.
 """
 
 from vllm.model_executor.models.interfaces import PPHandOffDeclaration
@@ -27,6 +28,15 @@ def intermediate_tensors_num_rows(intermediate_tensors: IntermediateTensors) -> 
             + (", ".join(f"{key}: {count}" for key, count in rows.items()) or "none")
         )
     return counts.pop()
+
+
+def hand_off_rows(num_tokens: int, hand_off: PPHandOffDeclaration) -> int:
+    """Rows of a PP hand-off for a step of ``num_tokens`` tokens: the rows
+    the model declares (its shard under sequence parallelism), else
+    ``num_tokens``. Runners size persistent hand-off buffers with it for
+    their capacity, so memory no step writes goes to the KV cache instead."""
+    expected = hand_off.expected_rows(num_tokens)
+    return num_tokens if expected is None else expected
 
 
 def accepts_hand_off(rows: int, num_tokens: int, expected: int | None) -> bool:
@@ -52,13 +62,14 @@ def hand_over_intermediate_tensors(
     persistent ``buffers``, and hands exactly those rows: ``hand_off`` is
     the model's declaration, which the runner took when it loaded the model.
     Checking here, not in the model, covers CUDA graph replays too. Without
-    ``received`` (dummy runs, profiling, capture) the buffers' first
-    ``num_tokens`` rows go as they are, and a sequence-parallel model
-    narrows them itself: to the same leading rows a real step writes, where
-    captured graphs read.
+    ``received`` (dummy runs, profiling, warm-up, capture) the buffers'
+    leading ``hand_off_rows`` rows go as they are: the rows and addresses a
+    real step hands, so captured graphs read where real steps write, and
+    the buffers need no more rows than the model declares for the runner's
+    capacity.
     """
     if received is None:
-        return buffers[:num_tokens]
+        return buffers[: hand_off_rows(num_tokens, hand_off)]
     rows = intermediate_tensors_num_rows(received)
     expected = hand_off.expected_rows(num_tokens)
     if not accepts_hand_off(rows, num_tokens, expected):

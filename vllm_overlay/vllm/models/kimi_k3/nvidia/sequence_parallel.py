@@ -89,32 +89,30 @@ def sequence_parallel_pp_overrides(num_aux_slots: int) -> dict[str, bool]:
     return dict.fromkeys((*SEQUENCE_PARALLEL_PP_KEYS, *aux_keys), False)
 
 
-def narrow_to_sequence_parallel_rows(
+def check_sequence_parallel_rows(
     intermediate_tensors: IntermediateTensors, num_tokens: int
 ) -> IntermediateTensors:
-    """The leading SP-shard rows of every tensor a later stage received.
+    """What a later stage received, checked to be its SP shard.
 
-    A real step hands the model exactly ``c = ceil(num_tokens / TP)`` rows;
-    profiling, dummy runs and CUDA graph capture hand ``num_tokens`` rows of
-    full-capacity persistent buffers, whose leading rows are where a real
-    step copies received data, so narrowing keeps the captured addresses.
-    Any other count means the stages padded this batch differently, and
-    slicing it would silently mix rows.
+    Every run hands the model exactly ``c = ceil(num_tokens / TP)`` rows:
+    real steps the received shard, dummy runs, profiling and CUDA graph
+    capture the leading rows of the runner's shard-sized buffers, where a
+    real step copies received data. Any other count means the stages padded
+    this batch differently (or a runner skipped the row rule), and using it
+    would silently mix rows.
     """
     tp_size = get_tensor_model_parallel_world_size()
     rows = sp_shard_rows(num_tokens, tp_size)
     for key, tensor in intermediate_tensors.tensors.items():
-        if tensor.shape[0] not in (rows, num_tokens):
+        if tensor.shape[0] != rows:
             raise ValueError(
                 f"Received {key} with {tensor.shape[0]} rows for a batch of "
                 f"N={num_tokens} tokens at TP={tp_size}"
-                f": a sequence-parallel hand-off has ceil(N/TP)={rows} rows "
-                f"(or N from full buffers). The stages padded the batch "
-                "differently; start every node with the same flags."
+                f": a sequence-parallel hand-off has ceil(N/TP)={rows} rows. "
+                "The stages padded the batch differently; start every node "
+                "with the same flags."
             )
-    return IntermediateTensors(
-        {key: tensor[:rows] for key, tensor in intermediate_tensors.tensors.items()}
-    )
+    return intermediate_tensors
 
 
 def sp_all_gather_hidden_states(

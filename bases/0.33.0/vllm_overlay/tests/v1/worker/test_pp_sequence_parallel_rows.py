@@ -5,8 +5,9 @@ V2 CUDA graph replay returns, when the model keeps its stage outputs
 sequence parallel: each TP rank receives ``c = ceil(N / TP)`` rows.
 
 The runners' methods run unbound on fakes that hold only the persistent
-buffers they touch (``max_num_tokens`` rows, as the runners allocate them)
-and the model they ask what it expects: ``ShardedModel`` declares its shard,
+buffers they touch, sized as the runners allocate them (``max_num_tokens``
+rows, or their shard for a sequence-parallel model) and the model they ask
+what it expects: ``ShardedModel`` declares its shard,
 ``REPLICATED`` stands for every model that declares nothing.
 """
 
@@ -54,9 +55,12 @@ def hand_off(rows: int, seed: int = 0) -> IntermediateTensors:
     )
 
 
-def persistent_buffers() -> IntermediateTensors:
+def persistent_buffers(tp: int | None = None) -> IntermediateTensors:
+    """The runner's receive buffers: ``max_num_tokens`` rows for a model that
+    declares nothing, the shard of ``max_num_tokens`` for a TP-``tp`` one."""
+    rows = CAPACITY if tp is None else sp_shard_rows(CAPACITY, tp)
     return IntermediateTensors(
-        {k: torch.zeros(CAPACITY, *v.shape[1:]) for k, v in hand_off(1).items()}
+        {k: torch.zeros(rows, *v.shape[1:]) for k, v in hand_off(1).items()}
     )
 
 
@@ -76,11 +80,11 @@ class ShardedModel:
 REPLICATED = object()  # a model that declares nothing, as every other model
 
 
-def legacy_runner(model: object) -> types.SimpleNamespace:
+def legacy_runner(model: object, tp: int | None = None) -> types.SimpleNamespace:
     """The legacy runner's state after load_model took ``model``'s
-    declaration."""
+    declaration and _dummy_run allocated its buffers (TP-``tp`` shards)."""
     return types.SimpleNamespace(
-        intermediate_tensors=persistent_buffers(),
+        intermediate_tensors=persistent_buffers(tp),
         _pp_hand_off=get_pp_hand_off_declaration(model),
     )
 
@@ -121,32 +125,41 @@ def test_a_hand_off_is_accepted_as_the_model_declares_it(num_tokens, tp):
     assert replicated == set(range(num_tokens, 2 * CAPACITY))
 
 
+def test_hand_off_rows_are_the_declared_rows_or_the_tokens():
+    """Buffers are sized with the model's own row rule: its shard of the
+    capacity under SP, the capacity itself for every other model."""
+    for tp in TP_SIZES:
+        rule = row_rule(ShardedModel(tp))
+        for num_tokens in (*TOKEN_COUNTS, CAPACITY):
+            assert pp_rows.hand_off_rows(num_tokens, rule) == -(-num_tokens // tp)
+    for num_tokens in (*TOKEN_COUNTS, CAPACITY):
+        assert pp_rows.hand_off_rows(num_tokens, row_rule(REPLICATED)) == num_tokens
+
+
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-def test_model_refuses_rows_that_are_neither_its_shard_nor_the_batch(
-    num_tokens, tp, monkeypatch
-):
-    """Stages that padded a batch differently send another shard size;
-    slicing it would mix rows silently, so the count is checked."""
+def test_model_refuses_rows_other_than_its_shard(num_tokens, tp, monkeypatch):
+    """Every run hands the model its shard. Stages that padded a batch
+    differently send another shard size, and a runner that skipped the row
+    rule hands the batch's rows; using either would mix rows silently."""
     monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: tp)
     shard = sp_shard_rows(num_tokens, tp)
-    for rows in {shard, num_tokens}:
-        narrowed = k3_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
-        assert pp_rows.intermediate_tensors_num_rows(narrowed) == shard
-    for rows in {shard - 1, shard + 1, num_tokens + 1} - {shard, num_tokens}:
+    received = hand_off(shard)
+    assert k3_sp.check_sequence_parallel_rows(received, num_tokens) is received
+    for rows in {shard - 1, shard + 1, num_tokens, num_tokens + 1} - {0, shard}:
         with pytest.raises(ValueError) as refused:
-            k3_sp.narrow_to_sequence_parallel_rows(hand_off(rows), num_tokens)
+            k3_sp.check_sequence_parallel_rows(hand_off(rows), num_tokens)
         assert str(refused.value).startswith(
             f"Received hidden_states with {rows} rows for a batch of "
             f"N={num_tokens} tokens at TP={tp}: a sequence-parallel hand-off "
-            f"has ceil(N/TP)={shard} rows"
+            f"has ceil(N/TP)={shard} rows."
         )
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
 def test_legacy_real_step_hands_exactly_the_received_shard(num_tokens, tp):
-    runner = legacy_runner(ShardedModel(tp))
+    runner = legacy_runner(ShardedModel(tp), tp)
     received = hand_off(sp_shard_rows(num_tokens, tp), seed=num_tokens)
     handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, received, True
@@ -160,24 +173,19 @@ def test_legacy_real_step_hands_exactly_the_received_shard(num_tokens, tp):
 
 @pytest.mark.parametrize("tp", TP_SIZES)
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
-def test_legacy_dummy_run_buffers_are_narrowed_once_by_the_model(
-    num_tokens, tp, monkeypatch
-):
-    """Dummy runs, profiling and capture hand ``num_tokens`` rows of the
-    full buffers; the model narrows them to the same leading rows a real
-    step writes."""
+def test_legacy_dummy_runs_hand_the_rows_a_real_step_hands(num_tokens, tp, monkeypatch):
+    """Dummy runs, profiling and capture hand the leading shard rows of the
+    shard-sized buffers: the rows and addresses a real step writes, which
+    the model takes as they are."""
     monkeypatch.setattr(k3_sp, "get_tensor_model_parallel_world_size", lambda: tp)
-    runner = legacy_runner(ShardedModel(tp))
+    runner = legacy_runner(ShardedModel(tp), tp)
     handed = GPUModelRunner.sync_and_gather_intermediate_tensors(
         runner, num_tokens, None, False
     )
-    assert {t.shape[0] for t in handed.tensors.values()} == {num_tokens}
-    narrowed = k3_sp.narrow_to_sequence_parallel_rows(handed, num_tokens)
-    again = k3_sp.narrow_to_sequence_parallel_rows(narrowed, num_tokens)
-    for key, tensor in narrowed.items():
+    assert k3_sp.check_sequence_parallel_rows(handed, num_tokens) is handed
+    for key, tensor in handed.items():
         assert tensor.shape[0] == sp_shard_rows(num_tokens, tp)
         assert tensor.data_ptr() == runner.intermediate_tensors[key].data_ptr()
-        assert again[key].shape == tensor.shape  # a no-op on local rows
 
 
 @pytest.mark.parametrize("num_tokens", TOKEN_COUNTS)
@@ -261,21 +269,22 @@ def test_graphs_record_their_rows_and_replay_returns_them(tp, monkeypatch):
 def test_v2_hand_over_copies_real_steps_and_passes_dummy_buffers(num_tokens, tp):
     """What the V2 runner's execute_model hands over, real step and dummy
     run (memory and graph profiling go through the dummy run)."""
-    buffers = persistent_buffers()
+    buffers = persistent_buffers(tp)
     received = hand_off(sp_shard_rows(num_tokens, tp), seed=tp)
     rule = row_rule(ShardedModel(tp))
     real = pp_rows.hand_over_intermediate_tensors(buffers, received, num_tokens, rule)
     dummy = pp_rows.hand_over_intermediate_tensors(buffers, None, num_tokens, rule)
     for key in received.tensors:
         torch.testing.assert_close(real[key], received[key], rtol=0, atol=0)
-        assert dummy[key].shape[0] == num_tokens
-        assert real[key].data_ptr() == dummy[key].data_ptr()  # same leading rows
+        assert dummy[key].shape == real[key].shape  # the same rows
+        assert real[key].data_ptr() == dummy[key].data_ptr()  # at one address
 
 
 def test_v2_relay_hands_on_as_many_rows_as_the_stage_outputs():
-    """TP8, a 64-token dummy run: the stage outputs its 8-row shard, while
-    the relayed aux state came in as 64 full buffer rows. Relayed rows must
-    match the output's, or the hand-off mixes 64 and 8 rows."""
+    """TP8, a 64-token step: the stage outputs its 8-row shard, while the
+    relayed aux state came in as 64 rows (a runner that handed full buffers,
+    as before they were shard-sized). Relayed rows must match the output's,
+    or the hand-off mixes 64 and 8 rows."""
     handler = types.SimpleNamespace(
         aux_hidden_state_relay_keys=("aux_hidden_states_0",)
     )
@@ -290,10 +299,11 @@ def test_v2_relay_hands_on_as_many_rows_as_the_stage_outputs():
     )
 
 
-def test_buffers_keep_full_capacity_when_a_hand_over_raises():
+def test_buffers_keep_their_capacity_when_a_hand_over_raises():
     """Views are sliced per call, never narrowed in place: a hand-over that
-    fails leaves the persistent buffers at ``max_num_tokens`` rows."""
-    buffers = persistent_buffers()
+    fails leaves the persistent buffers at the shard of ``max_num_tokens``."""
+    buffers = persistent_buffers(8)
+    capacity = sp_shard_rows(CAPACITY, 8)
     mixed = IntermediateTensors(
         {
             "hidden_states": torch.zeros(8, HIDDEN),
@@ -303,13 +313,13 @@ def test_buffers_keep_full_capacity_when_a_hand_over_raises():
     model = row_rule(ShardedModel(8))
     with pytest.raises(ValueError, match="hidden_states: 8, residual: 64"):
         pp_rows.hand_over_intermediate_tensors(buffers, mixed, 64, model)
-    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+    assert {t.shape[0] for t in buffers.tensors.values()} == {capacity}
     with pytest.raises(ValueError, match="of 9 rows for a step of 64 tokens"):
         pp_rows.hand_over_intermediate_tensors(buffers, hand_off(9), 64, model)
-    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+    assert {t.shape[0] for t in buffers.tensors.values()} == {capacity}
     handed = pp_rows.hand_over_intermediate_tensors(buffers, hand_off(8), 64, model)
     assert {t.shape[0] for t in handed.tensors.values()} == {8}
-    assert {t.shape[0] for t in buffers.tensors.values()} == {CAPACITY}
+    assert {t.shape[0] for t in buffers.tensors.values()} == {capacity}
 
 
 @pytest.mark.parametrize("tp", TP_SIZES)
@@ -320,7 +330,7 @@ def test_runners_refuse_a_shard_of_other_rows_before_the_copy(num_tokens, tp):
     where the model's own code does not run, is checked too."""
     shard = sp_shard_rows(num_tokens, tp)
     for rows in sorted({shard - 1, shard + 1, num_tokens, CAPACITY} - {0, shard}):
-        runner = legacy_runner(ShardedModel(tp))
+        runner = legacy_runner(ShardedModel(tp), tp)
         with pytest.raises(ValueError) as refused:
             GPUModelRunner.sync_and_gather_intermediate_tensors(
                 runner, num_tokens, hand_off(rows, seed=1), True
