@@ -19,12 +19,7 @@ import pytest
 import torch
 
 from tests.sppp_testbed import k3_checkpoint
-from tests.sppp_testbed.loaded_stages import (
-    EAGLE3_AUX_LAYERS,
-    LoadedStageResult,
-    run_loaded_step,
-    write_eagle3_dir,
-)
+from tests.sppp_testbed.loaded_stages import LoadedStageResult, run_loaded_step
 
 TOLERANCE = 1e-12
 NUM_TOKENS = 17
@@ -42,7 +37,7 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         name: str(k3_checkpoint.write_checkpoint(root / name, name))
         for name in k3_checkpoint.ARCHITECTURES
     }
-    paths["draft"] = str(write_eagle3_dir(root / "eagle3"))
+    paths["draft"] = str(k3_checkpoint.write_eagle3_draft(root / "eagle3"))
     return paths
 
 
@@ -128,7 +123,7 @@ def test_sp_across_stages_matches_one_rank_through_the_loaded_class(
     for rank, result in enumerate([expected, *results]):
         if result.architecture != K3:
             problems.append(f"rank {rank} loaded {result.architecture}")
-    if len(expected.aux_hidden_states or []) != len(EAGLE3_AUX_LAYERS):
+    if len(expected.aux_hidden_states or []) != len(k3_checkpoint.EAGLE3_AUX_LAYERS):
         problems.append(f"the reference has {expected.aux_hidden_states} aux states")
     for rank, result in enumerate(results[2:], start=2):
         got_aux = result.aux_hidden_states or []

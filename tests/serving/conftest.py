@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.serving import preloaded_vllm
-from tests.serving.eagle3 import speculative_config, write_draft_dir
+from tests.serving.eagle3 import speculative_config
 from tests.serving.fork_processes import ASYNC_SCHEDULING
 from tests.serving.server import (
     OFFLINE,
@@ -26,6 +26,7 @@ from tests.serving.server import (
     write_model_dir,
 )
 from tests.serving.worker import STAGE0_EXTRA_ROW, STAGE1_MOE_BACKEND
+from tests.sppp_testbed import k3_checkpoint
 from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 
 TP2PP2 = ["-tp", "2", "-pp", "2", "--enable-expert-parallel"]
@@ -186,7 +187,7 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
         pool = Servers(
             vllm,
             write_model_dir(root / "tiny-k3"),
-            write_draft_dir(root / "tiny-k3-eagle3"),
+            k3_checkpoint.write_eagle3_draft(root / "tiny-k3-eagle3"),
             root,
             wanted_layouts(request.session.items),
         )

@@ -1,7 +1,8 @@
 # SPDX-License-Identifier: Apache-2.0
 """A tiny EAGLE-3 drafter for the serving tests: vLLM's own
 ``Eagle3LlamaForCausalLM``, built by vLLM's ``initialize_model`` from the
-draft checkpoint's ``config.json`` (:func:`write_draft_dir`), run by vLLM's
+draft checkpoint's ``config.json``
+(``tests.sppp_testbed.k3_checkpoint.write_eagle3_draft``), run by vLLM's
 own V2 ``EagleSpeculator`` on the last PP stage.
 
 What differs from a served EAGLE-3 checkpoint, and why:
@@ -55,48 +56,9 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 # Under the "vllm" logger, whose handlers print in the servers.
 logger = init_logger(f"vllm.{__name__}")
 
-# The target's layers whose outputs the drafter reads (EAGLE-3's aux hidden
-# states; tap i is the residual stream after layer i - 1, tap 4 the target's
-# final one). At PP2 (layers [0, 2), [2, 4)) stage 0 sends taps 1 and 2
-# across the boundary; at PP3 ([0, 1), [1, 3), [3, 4)) stage 0 sends tap 1,
-# which the middle stage's runner relays beside its own tap 2.
-AUX_LAYERS = (1, 2, 4)
 NUM_SPECULATIVE_TOKENS = 2
 # The drafter layer's output projections, scaled (drafter_weight says why).
 DAMPING = 0.1
-# One KV head of the hidden size, as the target's attention stand-in
-# declares (a TP rank replicates a single KV head): the drafter's KV cache
-# pages have the size of the target's on every rank, whatever the TP size.
-NUM_HEADS = 2
-HEAD_DIM = tiny_k3.HIDDEN
-
-
-def write_draft_dir(path: Path) -> Path:
-    """A draft checkpoint's ``config.json``: a one-layer Llama that vLLM's
-    ``eagle3`` method wraps as ``Eagle3LlamaForCausalLM``."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "vocab_size": tiny_k3.VOCAB,
-                "draft_vocab_size": tiny_k3.VOCAB,
-                "hidden_size": tiny_k3.HIDDEN,
-                "intermediate_size": 96,
-                "num_hidden_layers": 1,
-                "num_attention_heads": NUM_HEADS,
-                "num_key_value_heads": 1,
-                "head_dim": HEAD_DIM,
-                "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-6,
-                "eagle_aux_hidden_state_layer_ids": list(AUX_LAYERS),
-                "tie_word_embeddings": False,
-                "torch_dtype": "float32",
-            }
-        )
-    )
-    return path
 
 
 def speculative_config(draft_dir: Path) -> str:

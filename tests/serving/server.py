@@ -15,7 +15,7 @@ import urllib.request
 import warnings
 from pathlib import Path
 
-from tests.sppp_testbed import tiny_k3
+from tests.sppp_testbed import k3_checkpoint, tiny_k3
 from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -27,25 +27,10 @@ EOS = 0
 def write_model_dir(path: Path) -> Path:
     """config.json (Llama-shaped: the engine only sizes its config from it;
     the worker builds the tiny K3) and a character-level tokenizer."""
-    from tokenizers import Tokenizer, decoders, models
-
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = {chr(i): i for i in range(tiny_k3.VOCAB)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x01"))
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "\x00",
-                "unk_token": "\x01",
-                "model_max_length": 4096,
-                "chat_template": (
-                    "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
-                ),
-            }
-        )
+    k3_checkpoint.write_tokenizer(
+        path,
+        4096,
+        chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
     )
     (path / "config.json").write_text(
         json.dumps(

@@ -33,6 +33,17 @@ ARCHITECTURES = tuple(
     if name in ModelRegistry.get_supported_archs()
 )
 EOS = 0
+# The target's layers whose outputs an EAGLE-3 drafter reads (its aux
+# hidden states; tap i is the residual stream after layer i - 1, tap 4 the
+# target's final one). At PP2 (layers [0, 2), [2, 4)) stage 0 sends taps 1
+# and 2 across the boundary; at PP3 ([0, 1), [1, 3), [3, 4)) stage 0 sends
+# tap 1, which the middle stage's runner relays beside its own tap 2.
+EAGLE3_AUX_LAYERS = (1, 2, 4)
+# One KV head of the hidden size, as the serving target's attention stand-in
+# declares (a TP rank replicates a single KV head): the drafter's KV cache
+# pages have the size of the target's on every rank, whatever the TP size.
+EAGLE3_NUM_HEADS = 2
+EAGLE3_HEAD_DIM = tiny_k3.HIDDEN
 # The media placeholder's id: inside the tiny vocabulary.
 MEDIA_PLACEHOLDER = tiny_k3.VOCAB - 1
 
@@ -91,23 +102,7 @@ def write_checkpoint(
     width: int = 4,
 ) -> Path:
     """Write the checkpoint directory (no weights: loaded with dummy ones)."""
-    from tokenizers import Tokenizer, decoders, models
-
-    path.mkdir(parents=True, exist_ok=True)
-    vocab = {chr(i): i for i in range(tiny_k3.VOCAB)}
-    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x01"))
-    tokenizer.decoder = decoders.Fuse()
-    tokenizer.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "eos_token": "\x00",
-                "unk_token": "\x01",
-                "model_max_length": tiny_k3.MAX_MODEL_LEN,
-            }
-        )
-    )
+    write_tokenizer(path, tiny_k3.MAX_MODEL_LEN)
     (path / "preprocessor_config.json").write_text(
         json.dumps({"media_proc_cfg": MEDIA_PROC_CFG})
     )
@@ -123,4 +118,57 @@ def write_checkpoint(
         "torch_dtype": "float32",
     }
     (path / "config.json").write_text(json.dumps(config, indent=1))
+    return path
+
+
+def write_tokenizer(path: Path, model_max_length: int, **config) -> None:
+    """A character-level tokenizer over the tiny vocabulary (id ``i`` is
+    ``chr(i)``, ``"\x00"`` the end of a sequence); ``config`` adds to its
+    ``tokenizer_config.json`` (a chat template)."""
+    from tokenizers import Tokenizer, decoders, models
+
+    path.mkdir(parents=True, exist_ok=True)
+    vocab = {chr(i): i for i in range(tiny_k3.VOCAB)}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="\x01"))
+    tokenizer.decoder = decoders.Fuse()
+    tokenizer.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": "\x00",
+                "unk_token": "\x01",
+                "model_max_length": model_max_length,
+                **config,
+            }
+        )
+    )
+
+
+def write_eagle3_draft(path: Path) -> Path:
+    """An EAGLE-3 draft checkpoint's ``config.json``: a one-layer Llama that
+    vLLM's ``eagle3`` method wraps as ``Eagle3LlamaForCausalLM``, reading
+    the target's taps ``EAGLE3_AUX_LAYERS``."""
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": tiny_k3.VOCAB,
+                "draft_vocab_size": tiny_k3.VOCAB,
+                "hidden_size": tiny_k3.HIDDEN,
+                "intermediate_size": 96,
+                "num_hidden_layers": 1,
+                "num_attention_heads": EAGLE3_NUM_HEADS,
+                "num_key_value_heads": 1,
+                "head_dim": EAGLE3_HEAD_DIM,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
+                "eagle_aux_hidden_state_layer_ids": list(EAGLE3_AUX_LAYERS),
+                "tie_word_embeddings": False,
+                "torch_dtype": "float32",
+            }
+        )
+    )
     return path

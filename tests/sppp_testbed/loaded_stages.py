@@ -25,10 +25,8 @@ gathered outputs.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from unittest import mock
 
 import torch
@@ -48,38 +46,7 @@ from vllm.model_executor.models import registry
 from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
-# A one-layer EAGLE-3 drafter reading the target's taps 1 (after layer 0,
-# inside stage 0 at PP2), 2 (stage 0's last layer: the boundary) and 4
-# (after the last layer): stage 0 sends aux slots 0 and 1 across.
-EAGLE3_AUX_LAYERS = (1, 2, 4)
 NUM_SPECULATIVE_TOKENS = 2
-
-
-def write_eagle3_dir(path: Path) -> Path:
-    """An EAGLE-3 draft checkpoint's ``config.json`` (a one-layer Llama
-    that vLLM's ``eagle3`` method wraps as ``Eagle3LlamaForCausalLM``)."""
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(
-        json.dumps(
-            {
-                "architectures": ["LlamaForCausalLM"],
-                "model_type": "llama",
-                "vocab_size": tiny_k3.VOCAB,
-                "draft_vocab_size": tiny_k3.VOCAB,
-                "hidden_size": tiny_k3.HIDDEN,
-                "intermediate_size": 96,
-                "num_hidden_layers": 1,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-6,
-                "eagle_aux_hidden_state_layer_ids": list(EAGLE3_AUX_LAYERS),
-                "tie_word_embeddings": False,
-                "torch_dtype": "float32",
-            }
-        )
-    )
-    return path
 
 
 def engine_config(checkpoint: str, draft: str | None, tp: int, pp: int, sp: bool):
