@@ -44,7 +44,12 @@ def python_3_10(tmp_path: Path) -> Path:
     return script
 
 
-def make(*args: str, cwd: Path = PROJECT_DIR, path: str | None = None):
+def make(
+    *args: str,
+    cwd: Path = PROJECT_DIR,
+    path: str | None = None,
+    extra_env: dict[str, str] | None = None,
+):
     # Not the settings of a make these tests run under: `make test BASE=...
     # TEST_PATHS=...` puts its variables in the environment of every make
     # below it, and in MAKEFLAGS.
@@ -60,6 +65,7 @@ def make(*args: str, cwd: Path = PROJECT_DIR, path: str | None = None):
     }
     if path is not None:
         env["PATH"] = f"{path}{os.pathsep}{env['PATH']}"
+    env.update(extra_env or {})
     return subprocess.run(
         ["make", "-s", *args], capture_output=True, text=True, cwd=cwd, env=env
     )
@@ -311,12 +317,12 @@ def test_make_test_unpacks_each_other_base_that_has_neither_venv_nor_sources(
     calls.unlink()
     for other in others:
         (fresh_clone / ".cache" / f"pristine-vllm-{other}").rmdir()
-    env_result = subprocess.run(
-        ["make", "-s", "test", *args, "TEST_PATHS=tests/unit"],
-        capture_output=True,
-        text=True,
+    env_result = make(
+        "test",
+        *args,
+        "TEST_PATHS=tests/unit",
         cwd=fresh_clone,
-        env={**os.environ, "UNPACK_EXIT": "1", "MAKEFLAGS": ""},
+        extra_env={"UNPACK_EXIT": "1"},
     )
     assert env_result.returncode != 0
     assert "-m pytest tests/unit" not in calls.read_text().splitlines()
