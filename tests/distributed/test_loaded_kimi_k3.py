@@ -26,17 +26,24 @@ NUM_TOKENS = 17
 PRELOAD = ("tests.sppp_testbed.loaded_stages",)
 # The class both architecture names load.
 K3 = "KimiK3ForConditionalGeneration"
+# A K3 checkpoint with AttnRes on (its text model mixes earlier blocks'
+# outputs into each layer's input).
+ATTN_RES = "K3 with AttnRes"
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     """A K3 checkpoint directory per architecture name a user's checkpoint
-    carries (K3, K3.1), and an EAGLE-3 draft directory (``"draft"``)."""
+    carries (K3, K3.1), one with AttnRes on (``ATTN_RES``), and an EAGLE-3
+    draft directory (``"draft"``)."""
     root = tmp_path_factory.mktemp("k3-checkpoints")
     paths = {
         name: str(k3_checkpoint.write_checkpoint(root / name, name))
         for name in k3_checkpoint.ARCHITECTURES
     }
+    paths[ATTN_RES] = str(
+        k3_checkpoint.write_checkpoint(root / ATTN_RES, K3, attn_res=True)
+    )
     paths["draft"] = str(k3_checkpoint.write_eagle3_draft(root / "eagle3"))
     return paths
 
@@ -110,22 +117,15 @@ def test_every_aux_state_that_crosses_a_stage_is_declared_shard_to_shard(
     assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("architecture", k3_checkpoint.ARCHITECTURES)
-def test_sp_across_stages_matches_one_rank_through_the_loaded_class(
-    loaded_step, architecture
-):
-    """A K3 and a K3.1 checkpoint load the same class, and its last stage's
-    gathered hidden states and EAGLE-3 aux states at TP2×PP2 with SP equal
-    TP1×PP1's, row for row."""
-    (expected,) = loaded_step(architecture, 1, 1)
-    results = loaded_step(architecture, 2, 2)
+def parity_problems(
+    expected: LoadedStageResult, last_stage: list[LoadedStageResult], first_rank: int
+) -> list[str]:
+    """Where the last stage's gathered hidden states and EAGLE-3 aux states
+    differ from the one-rank reference's."""
     problems = []
-    for rank, result in enumerate([expected, *results]):
-        if result.architecture != K3:
-            problems.append(f"rank {rank} loaded {result.architecture}")
     if len(expected.aux_hidden_states or []) != len(k3_checkpoint.EAGLE3_AUX_LAYERS):
         problems.append(f"the reference has {expected.aux_hidden_states} aux states")
-    for rank, result in enumerate(results[2:], start=2):
+    for rank, result in enumerate(last_stage, start=first_rank):
         got_aux = result.aux_hidden_states or []
         pairs = [("hidden_states", result.hidden_states, expected.hidden_states)]
         pairs += [
@@ -144,4 +144,42 @@ def test_sp_across_stages_matches_one_rank_through_the_loaded_class(
                 )
             elif not (error := (got - want).abs().max().item()) <= TOLERANCE:
                 problems.append(f"rank {rank} {name}: max error {error:.3g}")
+    return problems
+
+
+@pytest.mark.parametrize("architecture", k3_checkpoint.ARCHITECTURES)
+def test_sp_across_stages_matches_one_rank_through_the_loaded_class(
+    loaded_step, architecture
+):
+    """A K3 and a K3.1 checkpoint load the same class, and its last stage's
+    gathered hidden states and EAGLE-3 aux states at TP2×PP2 with SP equal
+    TP1×PP1's, row for row."""
+    (expected,) = loaded_step(architecture, 1, 1)
+    results = loaded_step(architecture, 2, 2)
+    problems = [
+        f"rank {rank} loaded {result.architecture}"
+        for rank, result in enumerate([expected, *results])
+        if result.architecture != K3
+    ]
+    problems += parity_problems(expected, results[2:], first_rank=2)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_middle_stage_relays_shards_with_attn_res_on(loaded_step):
+    """Three stages with AttnRes on: the middle stage receives stage 0's
+    shards (tap 1 among them), hands on its own with tap 1 relayed beside
+    its tap 2, and the last stage's states equal TP1×PP1's."""
+    (expected,) = loaded_step(ATTN_RES, 1, 1)
+    results = loaded_step(ATTN_RES, 2, 3)
+    middle = results[2:4]
+    problems = [
+        f"rank {rank}: no SP"
+        for rank, result in enumerate(results)
+        if not result.sequence_parallel
+    ]
+    for tp_rank, result in enumerate(middle):
+        relayed = sorted(k for k in result.sent if k.startswith("aux_hidden_states_"))
+        if len(relayed) != 2:
+            problems.append(f"middle TP rank {tp_rank} sends aux {relayed}")
+    problems += parity_problems(expected, results[4:], first_rank=4)
     assert not problems, "\n".join(problems)

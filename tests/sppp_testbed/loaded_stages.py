@@ -18,8 +18,9 @@ but not run.
 
 One step then crosses the stage boundaries with vLLM's
 ``isend_tensor_dict`` / ``irecv_tensor_dict`` and the worker's overrides,
-as ``Worker.execute_model`` moves them, and the last stage runs to its
-gathered outputs.
+as ``Worker.execute_model`` moves them (a middle stage relaying the aux
+states it received through the runner's own PP handler), and the last
+stage runs to its gathered outputs.
 """
 
 from __future__ import annotations
@@ -177,6 +178,12 @@ def run_loaded_step(
         output = model(ids, torch.arange(num_tokens), intermediate)
         if not pp_group.is_last_rank:
             assert isinstance(output, IntermediateTensors)
+            if intermediate is not None:
+                # A middle stage hands on the aux states it received beside
+                # its own, as the runner's execute_model does.
+                output = worker.model_runner.pp_handler.relay_aux_hidden_states(
+                    intermediate, output
+                )
             result.sent = {k: v.clone() for k, v in output.tensors.items()}
             for handle in pp_group.isend_tensor_dict(
                 output.tensors, all_gather_group=tp_group, all_gather_tensors=overrides
