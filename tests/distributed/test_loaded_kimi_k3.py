@@ -19,9 +19,17 @@ import pytest
 import torch
 
 from tests.sppp_testbed import k3_checkpoint
-from tests.sppp_testbed.loaded_stages import LoadedStageResult, run_loaded_step
+from tests.sppp_testbed.loaded_stages import (
+    MTP,
+    LoadedStageResult,
+    eagle3,
+    run_loaded_step,
+)
 
 TOLERANCE = 1e-12
+# Replicated, the MTP block ends in vLLM's fused add-RMSNorm, which adds in
+# float32; under SP it adds in the model's dtype: float32 rounding.
+MTP_TOLERANCE = 1e-5
 NUM_TOKENS = 17
 PRELOAD = ("tests.sppp_testbed.loaded_stages",)
 # The class both architecture names load.
@@ -50,18 +58,22 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def loaded_step(pools, checkpoints):
-    """One SP step of ``architecture``'s checkpoint on TP×PP ranks of their
+    """One SP step of ``architecture``'s checkpoint, with ``drafter``
+    (EAGLE-3 or K3's MTP layer), on TP×PP ranks of their
     own (vLLM's CPU worker module, which they import, patches torch's CUDA
     entry points process-wide); memoised."""
-    results: dict[tuple[str, int, int], list[LoadedStageResult]] = {}
+    results: dict[tuple[str, int, int, str], list[LoadedStageResult]] = {}
 
-    def run(architecture: str, tp: int, pp: int) -> list[LoadedStageResult]:
-        key = (architecture, tp, pp)
+    def run(
+        architecture: str, tp: int, pp: int, drafter: str = "eagle3"
+    ) -> list[LoadedStageResult]:
+        key = (architecture, tp, pp, drafter)
         if key not in results:
+            speculative = MTP if drafter == "mtp" else eagle3(checkpoints["draft"])
             results[key] = pools(tp, pp, preload=PRELOAD).run(
                 run_loaded_step,
                 checkpoints[architecture],
-                checkpoints["draft"],
+                speculative,
                 tp > 1,
                 NUM_TOKENS,
             )
@@ -182,4 +194,28 @@ def test_the_middle_stage_relays_shards_with_attn_res_on(loaded_step):
         if len(relayed) != 2:
             problems.append(f"middle TP rank {tp_rank} sends aux {relayed}")
     problems += parity_problems(expected, results[4:], first_rank=4)
+    assert not problems, "\n".join(problems)
+
+
+def test_mtp_drafts_of_the_loaded_class_match_one_rank(loaded_step):
+    """K3's MTP layer, loaded by the runner from ``--speculative-config``
+    on the last of two SP stages, drafts every position's next token as at
+    TP1×PP1: its logits equal, its draft tokens the same."""
+    (expected,) = loaded_step(K3, 1, 1, "mtp")
+    results = loaded_step(K3, 2, 2, "mtp")
+    problems = []
+    for rank, result in enumerate(results[2:], start=2):
+        if not result.drafter_sequence_parallel:
+            problems.append(f"rank {rank}: the MTP block ran replicated")
+        got, want = result.draft_logits, expected.draft_logits
+        if got is None or got.shape != want.shape:
+            problems.append(f"rank {rank}: draft logits {got}")
+            continue
+        if not (error := (got - want).abs().max().item()) <= MTP_TOLERANCE:
+            problems.append(f"rank {rank}: draft logits max error {error:.3g}")
+        if not torch.equal(result.draft_tokens, expected.draft_tokens):
+            problems.append(
+                f"rank {rank}: drafts {result.draft_tokens.tolist()}, "
+                f"want {expected.draft_tokens.tolist()}"
+            )
     assert not problems, "\n".join(problems)

@@ -13,8 +13,9 @@ EAGLE-3's aux layers in its own order, and the worker takes the transport
 overrides that ``Worker.execute_model`` passes to every PP send and
 receive. Stand-ins sit below the model class only: ``tiny_k3.stand_ins``
 (KDA, MLA and DSA attention, MoE, ``attn_res``) and the V2 runner's Triton
-kernels (``v2_kernel_standins``); the drafter is built (on the last stage)
-but not run.
+kernels (``v2_kernel_standins``). The drafter is loaded on the last stage
+by the runner from ``--speculative-config``; K3's MTP layer is also run
+there, fed as the V2 runner feeds it.
 
 One step then crosses the stage boundaries with vLLM's
 ``isend_tensor_dict`` / ``irecv_tensor_dict`` and the worker's overrides,
@@ -48,9 +49,23 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.worker.gpu_worker import AsyncIntermediateTensors
 
 NUM_SPECULATIVE_TOKENS = 2
+# K3's own MTP layer (the checkpoint's num_nextn_predict_layers) as the
+# drafter, as --speculative-config '{"method": "mtp", ...}' loads it.
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
 
 
-def engine_config(checkpoint: str, draft: str | None, tp: int, pp: int, sp: bool):
+def eagle3(draft: str) -> dict:
+    """``--speculative-config`` of the EAGLE-3 drafter in ``draft``."""
+    return {
+        "method": "eagle3",
+        "model": draft,
+        "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
+    }
+
+
+def engine_config(
+    checkpoint: str, speculative: dict | None, tp: int, pp: int, sp: bool
+):
     """``vllm serve CHECKPOINT`` with the layout's options, as the serving
     CLI turns them into a ``VllmConfig``; the model then computes in
     float64 and the step budget is the test bed's."""
@@ -68,13 +83,7 @@ def engine_config(checkpoint: str, draft: str | None, tp: int, pp: int, sp: bool
         # hybrid-model hook sized the KDA blocks for it: off from the start.
         enable_prefix_caching=False,
         compilation_config={"custom_ops": ["none"]},
-        speculative_config=None
-        if draft is None
-        else {
-            "method": "eagle3",
-            "model": draft,
-            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
-        },
+        speculative_config=speculative,
     )
     # vLLM inspects a model class it has not cached (a new series revision
     # is a new hash) in a fresh interpreter, so as not to initialise CUDA;
@@ -135,27 +144,41 @@ class LoadedStageResult:
     # The last stage's gathered outputs (N rows).
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
+    # With MTP, the last stage's draft logits and draft tokens (N rows).
+    draft_logits: torch.Tensor | None = None
+    draft_tokens: torch.Tensor | None = None
+    # Whether the loaded MTP layer ran its block sequence parallel.
+    drafter_sequence_parallel: bool | None = None
 
 
 def run_loaded_step(
-    checkpoint: str, draft: str | None, sp: bool, num_tokens: int, seed: int = 0
+    checkpoint: str,
+    speculative: dict | None,
+    sp: bool,
+    num_tokens: int,
+    seed: int = 0,
 ) -> LoadedStageResult:
     """Run in every rank: start the worker on ``checkpoint`` (with the
-    EAGLE-3 drafter in ``draft``), then one prefill of ``num_tokens``
-    tokens across the stages."""
+    drafter of ``speculative``, a ``--speculative-config``), then one
+    prefill of ``num_tokens`` tokens across the stages."""
     tp_group, pp_group = get_tp_group(), get_pp_group()
     if HAS_LEGACY_RUNNER:
         # 0.33.0 starts its legacy runner unless asked; the V2 runner is the
         # one that sets aux layers on every stage (and the one started here).
         os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
     config = engine_config(
-        checkpoint, draft, tp_group.world_size, pp_group.world_size, sp
+        checkpoint, speculative, tp_group.world_size, pp_group.world_size, sp
     )
     with set_current_vllm_config(config), tiny_k3.stand_ins(), torch.no_grad():
         torch.set_default_dtype(tiny_k3.DTYPE)
         worker = start_worker(config)
         model = worker.model_runner.get_model()
         # Dummy weights differ per rank: each its shard of one seeded model.
+        # The drafter first: where it shares the target's embedding and LM
+        # head (one stage), the target's values are loaded last.
+        drafter = worker.model_runner.get_draft_model()
+        if drafter is not None:
+            tiny_k3.load_seeded_weights(drafter, seed, draft_weight)
         tiny_k3.load_seeded_weights(model, seed)
         overrides = worker._pp_all_gather_tensors
         result = LoadedStageResult(
@@ -195,4 +218,39 @@ def run_loaded_step(
             result.hidden_states, result.aux_hidden_states = output
         else:
             result.hidden_states = output
+        if (speculative or {}).get("method") == "mtp":
+            run_mtp(drafter, model, result, num_tokens, seed)
     return result
+
+
+# The drafter's embedding as a K3 checkpoint holds it: the target's, which
+# the runner shares with the drafter at PP1 and the drafter loads from the
+# checkpoint at PP > 1.
+DRAFT_WEIGHT_NAMES = {
+    "model.embed_tokens.weight": "language_model.model.embed_tokens.weight"
+}
+
+
+def draft_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return tiny_k3.full_weight(DRAFT_WEIGHT_NAMES.get(name, name), shape, seed)
+
+
+def run_mtp(
+    drafter: torch.nn.Module,
+    model: torch.nn.Module,
+    result: LoadedStageResult,
+    num_tokens: int,
+    seed: int,
+) -> None:
+    """The loaded MTP layer's first draft of every position, fed as the V2
+    runner feeds it: the target's gathered states through
+    ``get_drafter_hidden_states`` and the next tokens' ids."""
+    from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states
+
+    (layer,) = drafter.model.layers.values()
+    result.drafter_sequence_parallel = layer.mtp_block.use_sequence_parallel
+    hidden_states = get_drafter_hidden_states(model, result.hidden_states)
+    ids = token_ids(num_tokens, seed + 1)
+    logits_input, _ = drafter(ids, torch.arange(num_tokens), hidden_states)
+    result.draft_logits = drafter.compute_logits(logits_input)
+    result.draft_tokens = result.draft_logits.argmax(dim=-1)
