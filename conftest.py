@@ -8,6 +8,8 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 # Importing vLLM imports humming, which starts two interpreters in the
 # background to pre-build its CUDA launcher: on a CPU they only take cores
@@ -104,6 +106,7 @@ def work_unit(nodeid: str) -> str:
     return path
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
 def pytest_xdist_make_scheduler(config, log):
     if config.getoption("dist") != "loadfile":
         return None
