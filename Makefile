@@ -207,8 +207,10 @@ endef
 # The whole suite in two steps. tests/serving first, alone: its servers' ranks
 # spin for a second after each step and take both cores from whatever runs
 # beside them. Then the rest in TEST_JOBS pytest-xdist workers, each test file
-# whole to one worker, so its module fixtures are built once (TEST_JOBS=0: in
-# one process). A step that PYTEST_ARGS leaves without tests (pytest's exit 5)
+# whole to one worker, so its module fixtures are built once, and
+# tests/distributed whole to one worker, so its rank pools and fork servers
+# are; the longest first (conftest.py, LONGEST_FIRST; TEST_JOBS=0: in one
+# process). A step that PYTEST_ARGS leaves without tests (pytest's exit 5)
 # passes if the other ran some. TEST_PATHS=... runs one pytest over those.
 TEST_JOBS ?= 2
 SERVING_TESTS := tests/serving

@@ -8,6 +8,8 @@ import importlib.metadata
 import os
 from pathlib import Path
 
+import pytest
+
 os.environ["VLLM_TARGET_DEVICE"] = "cpu"
 # Importing vLLM imports humming, which starts two interpreters in the
 # background to pre-build its CUDA launcher: on a CPU they only take cores
@@ -69,3 +71,57 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     if overlay_test_ignored(collection_path.resolve(), ROOT, running_vllm()):
         return True
     return None
+
+
+# `make test` runs the tests other than the serving ones in pytest-xdist
+# workers, `--dist loadfile`: each test file whole to one worker, so its module
+# fixtures are built once. Two changes to how the files are dealt out:
+#
+# - tests/distributed is one unit, not one per file: its tests share rank
+#   pools, the single-process reference and the fork servers that import vLLM
+#   and the test bed for the ranks (about 13 CPU-s each, one for the installed
+#   vLLM and one for the pristine tree), all per worker. Split over two
+#   workers, each built its own of every one.
+# - The longest units go first (measured in CPU-s, `make test` of 2026-12-07:
+#   docs/testing.md, "Where the rest's CPU goes"), so that no long file starts
+#   last while the other worker sits idle; the rest keep xdist's order
+#   (most tests first).
+LONGEST_FIRST = (
+    "tests/distributed",
+    "tests/eval/test_gsm8k.py",
+    "tests/eval/test_bench.py",
+    "tests/tooling/test_apply.py",
+    "tests/tooling/test_faults.py",
+    "tests/eval/test_nccl_bench.py",
+    "tests/eval/test_mutate.py",
+    "tests/tooling/test_bases.py",
+)
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit a test is dealt out in: its file, or tests/distributed."""
+    path = nodeid.split("::", 1)[0]
+    if path.startswith(LONGEST_FIRST[0] + "/"):
+        return LONGEST_FIRST[0]
+    return path
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class LongestFirstByFile(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+        def _assign_work_unit(self, node) -> None:
+            # The earliest of LONGEST_FIRST still queued goes next.
+            def rank(unit: str) -> int:
+                return LONGEST_FIRST.index(unit) if unit in LONGEST_FIRST else 99
+
+            self.workqueue.move_to_end(min(self.workqueue, key=rank), last=False)
+            super()._assign_work_unit(node)
+
+    return LongestFirstByFile(config, log)

@@ -206,13 +206,20 @@ def run(args: argparse.Namespace) -> int:
     lm_args = lm_eval_args(
         base_url, model, out / "lm_eval", args.limit, include, args.seed
     )
-    command = [sys.executable, "-m", "lm_eval", *lm_args]
+    # lm-eval's command line; with --data it indexes the local task alone
+    # (eval/lm_eval_run.py), not lm-eval's 14,000 built-in task files as well.
+    command = [sys.executable, "-m", "eval.lm_eval_run", *lm_args]
     print(
         f"gsm8k: arm {arm.name} ({arm.label}) against {base_url}, model "
         f"{model}, vLLM {served_version}; lm-eval's progress follows",
         flush=True,
     )
-    proc = subprocess.run(command, env={**os.environ, "TOKENIZERS_PARALLELISM": "0"})
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "0"}
+    # eval.lm_eval_run is found from wherever this runs.
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, (str(PROJECT_DIR), os.environ.get("PYTHONPATH")))
+    )
+    proc = subprocess.run(command, env=env)
     if proc.returncode != 0:
         raise GSM8KError(f"lm-eval exited {proc.returncode}; see its output above")
     results_file, samples_file = lm_eval_outputs(out / "lm_eval")

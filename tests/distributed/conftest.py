@@ -2,8 +2,11 @@
 """Distributed tests run vLLM's distributed layer on the CPU, over gloo.
 
 Ranks are forked from a fork server per vLLM tree that imports the model
-stack once; the servers start while the tests are collected, and this
-package's tests run last, so the imports overlap the other tests. Pools
+stack once; in one pytest process the servers start while the tests are
+collected, and this package's tests run last, so the imports overlap the
+other tests. Under pytest-xdist (`make test`) the package goes whole to one
+worker, first (the root conftest), and that worker starts the servers with
+its first test of the package. Pools
 live as long as this package's tests, one per topology (tests pick theirs
 with ``topologies``), with at most ``MAX_LIVE_RANKS`` rank processes alive at
 once. The single-process reference is memoised per scenario.
@@ -25,15 +28,30 @@ from tests.sppp_testbed.pristine import link_pristine_vllm  # noqa: E402
 from tests.sppp_testbed.stages import Scenario, StageResult, run_step  # noqa: E402
 
 PRISTINE_VLLM = pytest.StashKey[str]()
+PRISTINE_NEEDED = pytest.StashKey[bool]()
 # What the ranks print (vLLM's start-up lines, a crash's last words): one
 # file for the session, named in the summary when a test failed.
 RANK_OUTPUT = os.path.join(tempfile.gettempdir(), f"k3-sppp-ranks-{os.getpid()}.log")
 
 
+# In a pytest-xdist worker the fork servers start with the worker's first test
+# of this package instead: the root conftest deals the whole package to one
+# worker, and the other would import vLLM twice more for nothing.
+IN_XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+
+
 def pytest_configure(config):
     """Start the fork server now: it imports while the tests are collected."""
-    if not config.option.collectonly:
+    if not config.option.collectonly and not IN_XDIST_WORKER:
         start_fork_server(output=RANK_OUTPUT)
+
+
+def pytest_runtest_setup(item):
+    """In an xdist worker, the fork servers start here (once)."""
+    if IN_XDIST_WORKER:
+        start_fork_server(output=RANK_OUTPUT)
+        if item.config.stash.get(PRISTINE_NEEDED, False):
+            start_pristine_fork_server(item.config)
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus):
@@ -54,16 +72,26 @@ def pytest_collection_modifyitems(config, items):
     here = Path(__file__).parent
     items.sort(key=lambda item: here in item.path.parents)  # stable
     if any("pristine_vllm" in item.fixturenames for item in items):
-        root = tempfile.mkdtemp(prefix="k3-sppp-pristine-vllm-")
-        config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
-        config.stash[PRISTINE_VLLM] = str(link_pristine_vllm(Path(root)))
-        start_fork_server(config.stash[PRISTINE_VLLM], output=RANK_OUTPUT)
+        config.stash[PRISTINE_NEEDED] = True
+        if not IN_XDIST_WORKER:
+            start_pristine_fork_server(config)
+
+
+def start_pristine_fork_server(config) -> None:
+    """Link the pristine tree and start its fork server, once."""
+    if PRISTINE_VLLM in config.stash:
+        return
+    root = tempfile.mkdtemp(prefix="k3-sppp-pristine-vllm-")
+    config.add_cleanup(lambda: shutil.rmtree(root, ignore_errors=True))
+    config.stash[PRISTINE_VLLM] = str(link_pristine_vllm(Path(root)))
+    start_fork_server(config.stash[PRISTINE_VLLM], output=RANK_OUTPUT)
 
 
 @pytest.fixture(scope="session")
 def pristine_vllm(request) -> str:
     """The installed vLLM release as it was before the patch set (linked, not
     copied)."""
+    start_pristine_fork_server(request.config)  # once: in a worker, not yet
     return request.config.stash[PRISTINE_VLLM]
 
 

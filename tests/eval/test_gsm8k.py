@@ -310,3 +310,26 @@ def test_run_without_a_server_names_the_url_and_the_serve_line(tmp_path):
     )
     assert "make serve ARM=mega-sp NODE_RANK=0" in result.stderr
     assert not (tmp_path / "mega-sp").exists()
+
+
+def test_lm_eval_given_an_include_path_indexes_that_path_alone(tmp_path):
+    """eval.lm_eval_run: the local task's run indexes the local task alone,
+    not lm-eval's 14,000 built-in task files (about 10 CPU-seconds a run),
+    and still reads lm-eval's own gsm8k task through it."""
+    (tmp_path / f"{gsm8k.LOCAL_TASK}.yaml").write_text(gsm8k.local_task_yaml(DATA))
+    probe = (
+        "import sys; from eval import lm_eval_run; "
+        "assert lm_eval_run.narrow_to_include_path(); "
+        "from lm_eval.tasks import TaskManager; "
+        "manager = TaskManager(include_path=sys.argv[1]); "
+        "print(manager.all_tasks); "
+        "print(manager.load([sys.argv[2]])['tasks'][sys.argv[2]].config.num_fewshot)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path), gsm8k.LOCAL_TASK],
+        cwd=gsm8k.PROJECT_DIR,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split("\n")[:2] == [f"['{gsm8k.LOCAL_TASK}']", "5"]

@@ -7,7 +7,20 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from eval import mutate
+
+
+@pytest.fixture(autouse=True)
+def pytest_without_plugins(monkeypatch):
+    """The tool decides each mutant by a pytest process on the planted tree,
+    whose one test needs no plugin: without the installed ones (xdist, anyio)
+    each starts in 0.24 CPU-s instead of 0.56 (this file: 21.0 CPU-s before,
+    10.7 after). What the tool reads, pytest's exit status and report, is the
+    same."""
+    monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
+
 
 MODULE = textwrap.dedent(
     '''\

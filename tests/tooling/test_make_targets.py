@@ -417,3 +417,29 @@ def test_ci_begins_with_the_readmes_two_commands_on_the_fresh_clone():
     ci = (PROJECT_DIR / ".ci" / "run").read_text()
     makes = [ln.strip() for ln in ci.splitlines() if ln.split()[:1] == ["make"]]
     assert makes[:2] == promised, makes
+
+
+def test_the_rest_deals_tests_distributed_whole_to_one_worker_longest_first():
+    """conftest.py's xdist scheduling: every test of tests/distributed is one
+    unit (its pools and fork servers built once), any other test's unit is
+    its file, and each unit LONGEST_FIRST names exists, so a renamed file is
+    not silently dealt out last."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "k3_sppp_root_conftest", PROJECT_DIR / "conftest.py"
+    )
+    root_conftest = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(root_conftest)
+    unit = root_conftest.work_unit
+    assert unit("tests/distributed/test_launcher.py::test_a[TP2xPP2]") == (
+        "tests/distributed"
+    )
+    assert unit("tests/distributed/test_drafters.py::test_b") == "tests/distributed"
+    assert unit("tests/eval/test_bench.py::test_c[x::y]") == "tests/eval/test_bench.py"
+    assert (
+        unit("tests/distributedx/test_d.py::test_e") == "tests/distributedx/test_d.py"
+    )
+    assert root_conftest.LONGEST_FIRST[0] == "tests/distributed"
+    for path in root_conftest.LONGEST_FIRST:
+        assert (PROJECT_DIR / path).exists(), path
