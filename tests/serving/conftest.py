@@ -48,6 +48,9 @@ class Layout:
     # scheduling, which vLLM needs for a drafter at PP > 1
     # (tests/serving/fork_processes.py says why).
     drafter: bool = False
+    # The architecture name the served checkpoint's config.json carries
+    # (vLLM 0.34.0; None: Kimi K3's). Each name is a directory of its own.
+    architecture: str | None = None
 
 
 # The sequence-parallel layout is served by the Rust frontend (as every arm
@@ -65,10 +68,13 @@ LAYOUTS = {
     "TP2xPP2 SP (MegaMoE, EP)": Layout(
         [*TP2PP2, "--moe-backend", "deep_gemm_mega_moe"], "rust", "mega-sp"
     ),
+    # Served by K3.1's architecture name where vLLM's registry maps it: the
+    # class users load by either name is the one proven.
     "TP2xPP2 replicated (triton, EP)": Layout(
         [*TP2PP2, "--moe-backend", "triton", "--no-enable-prefix-caching"],
         "python",
         "fi-ep",
+        architecture=k3_checkpoint.ARCHITECTURES[-1],
     ),
     # Three stages: a middle stage receives shards and hands them on. Its
     # stage 0 hands on a row too many for a prompt that begins with
@@ -118,12 +124,20 @@ def free_port() -> int:
 class Servers:
     """The servers of `tests/serving` by layout name, started on first use."""
 
-    def __init__(self, vllm: Path, model_dir, draft_dir, logs, wanted) -> None:
-        self.vllm, self.model_dir, self.logs = vllm, model_dir, logs
+    def __init__(self, vllm: Path, root: Path, draft_dir, logs, wanted) -> None:
+        self.vllm, self.root, self.logs = vllm, root, logs
+        self.model_dir = self.model_dir_of(None)
         self.draft_dir = draft_dir
         self.wanted = wanted
         self.started: dict[str, Server] = {}
         self.startup: dict[str, float] = {}
+
+    def model_dir_of(self, architecture: str | None) -> Path:
+        """The served directory for ``architecture``, written once."""
+        path = self.root / f"tiny-k3-{architecture or 'default'}"
+        if not path.exists():
+            write_model_dir(path, architecture)
+        return path
 
     def start(self, name: str) -> Server:
         """The named server, started (not waited for) with every other one
@@ -141,7 +155,7 @@ class Servers:
                     args += ["--speculative-config", draft, "--async-scheduling"]
                 log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
                 self.started[other] = Server(
-                    self.model_dir,
+                    self.model_dir_of(layout.architecture),
                     free_port(),
                     args,
                     env=env,
@@ -186,7 +200,7 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
         cache_model_info()  # while the preloaded process imports vLLM
         pool = Servers(
             vllm,
-            write_model_dir(root / "tiny-k3"),
+            root,
             k3_checkpoint.write_eagle3_draft(root / "tiny-k3-eagle3"),
             root,
             wanted_layouts(request.session.items),

@@ -57,6 +57,11 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 logger = init_logger(f"vllm.{__name__}")
 
 NUM_SPECULATIVE_TOKENS = 2
+# The target's embedding and LM head, by the names vLLM's Kimi K3 class
+# gives them (its text model is its ``language_model``): the seeded loader
+# draws each weight from its name (tests/serving/k3_standins.py).
+TARGET_EMBEDDING = "language_model.model.embed_tokens.weight"
+TARGET_LM_HEAD = "language_model.lm_head.weight"
 # The drafter layer's output projections, scaled (drafter_weight says why).
 DAMPING = 0.1
 
@@ -102,7 +107,7 @@ class PagedCausalAttention(nn.Module, AttentionLayerBase):
         context[prefix] = self
 
     def get_attn_backend(self):
-        from tests.serving.v2_runner import PrefixMixerBackend
+        from tests.serving.k3_standins import PrefixMixerBackend
 
         return PrefixMixerBackend
 
@@ -136,7 +141,7 @@ class PagedCausalAttention(nn.Module, AttentionLayerBase):
         if not isinstance(metadata, dict) or self.layer_name not in metadata:
             # Runs without attention metadata: the batch as one sequence.
             return self.attend(q, k, v, 0).reshape(q.shape[0], -1)
-        from tests.serving.v2_runner import new_token_slots, request_histories
+        from tests.serving.k3_standins import new_token_slots, request_histories
 
         common = metadata[self.layer_name]
         cache = self.kv_cache
@@ -167,8 +172,8 @@ def drafter_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor
     repetitive greedy completions accept, and a wrong row of tap 1 changes
     its drafts and how many are accepted."""
     targets = {
-        "model.embed_tokens.weight": "embed_tokens.weight",
-        "lm_head.weight": "lm_head.weight",
+        "model.embed_tokens.weight": TARGET_EMBEDDING,
+        "lm_head.weight": TARGET_LM_HEAD,
     }
     weight = tiny_k3.full_weight(targets.get(name, name), shape, seed)
     if name == "model.fc.weight":
