@@ -44,10 +44,11 @@ class Layout:
     env: dict[str, str] = field(default_factory=dict)
     # False for a server the stages' agreement must refuse at start-up.
     starts: bool = True
-    # With the tests' EAGLE-3 drafter (tests/serving/eagle3.py) and async
+    # The --speculative-config method of the tests' drafter
+    # (tests/serving/eagle3.py: "eagle3" or "mtp"), served with async
     # scheduling, which vLLM needs for a drafter at PP > 1
-    # (tests/serving/fork_processes.py says why).
-    drafter: bool = False
+    # (tests/serving/fork_processes.py says why); None: no drafter.
+    drafter: str | None = None
     # The architecture name the served checkpoint's config.json carries
     # (vLLM 0.34.0; None: Kimi K3's). Each name is a directory of its own.
     architecture: str | None = None
@@ -63,8 +64,11 @@ class Layout:
 # its completions the target's; they equal the model recomputed without any
 # runner, test_serve_parity.py). A layout is a server only where its
 # parallel sizes, flags or drafter differ.
+# The drafter of the EAGLE-3 layouts (vLLM 0.34.0's V2 runner; 0.33.0's
+# servers run a stand-in runner without a speculator, and no drafter test).
+EAGLE3 = None if HAS_LEGACY_RUNNER else "eagle3"
 LAYOUTS = {
-    "TP1xPP1": Layout([], "python", None, drafter=not HAS_LEGACY_RUNNER),
+    "TP1xPP1": Layout([], "python", None, drafter=EAGLE3),
     "TP2xPP2 SP (MegaMoE, EP)": Layout(
         [*TP2PP2, "--moe-backend", "deep_gemm_mega_moe"], "rust", "mega-sp"
     ),
@@ -87,7 +91,23 @@ LAYOUTS = {
         "python",
         None,
         env={STAGE0_EXTRA_ROW: "1"},
-        drafter=not HAS_LEGACY_RUNNER,
+        drafter=EAGLE3,
+    ),
+    # Kimi K3's own MTP layer as the drafter (vLLM 0.34.0): a server of its
+    # own per layout (one --speculative-config a server), TP1xPP1 its
+    # reference. MTP reads the target's final hidden states, no aux state.
+    **(
+        {}
+        if HAS_LEGACY_RUNNER
+        else {
+            "TP1xPP1 MTP": Layout([], "python", None, drafter="mtp"),
+            "TP2xPP3 SP MTP (MegaMoE, EP)": Layout(
+                [*TP2PP3, "--moe-backend", "deep_gemm_mega_moe"],
+                "python",
+                None,
+                drafter="mtp",
+            ),
+        }
     ),
     # Stage 1 builds its model with another MoE backend, as a node started
     # with other flags would.
@@ -107,6 +127,13 @@ SP = "TP2xPP2 SP (MegaMoE, EP)"
 REPLICATED = "TP2xPP2 replicated (triton, EP)"
 SP_PP3 = "TP2xPP3 SP (MegaMoE, EP)"
 REFUSED = "TP2xPP2 SP, stage 1 triton"
+MTP_REFERENCE = "TP1xPP1 MTP"
+MTP_PP3 = "TP2xPP3 SP MTP (MegaMoE, EP)"
+# Per drafter method, its reference layout and the TP2xPP3 SP layout.
+DRAFTER_LAYOUTS = {
+    "eagle3": (EAGLE3_REFERENCE, SP_PP3),
+    "mtp": (MTP_REFERENCE, MTP_PP3),
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -151,7 +178,7 @@ class Servers:
                     env["VLLM_USE_RUST_FRONTEND"] = "1"
                 if layout.drafter:
                     env[ASYNC_SCHEDULING] = "1"
-                    draft = speculative_config(self.draft_dir)
+                    draft = speculative_config(self.draft_dir, layout.drafter)
                     args += ["--speculative-config", draft, "--async-scheduling"]
                 log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
                 self.started[other] = Server(

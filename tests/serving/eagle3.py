@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tests.serving.k3_standins import TARGET_EMBEDDING, TARGET_LM_HEAD
 from tests.sppp_testbed import tiny_k3
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank
@@ -57,24 +58,24 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec
 logger = init_logger(f"vllm.{__name__}")
 
 NUM_SPECULATIVE_TOKENS = 2
-# The target's embedding and LM head, by the names vLLM's Kimi K3 class
-# gives them (its text model is its ``language_model``): the seeded loader
-# draws each weight from its name (tests/serving/k3_standins.py).
-TARGET_EMBEDDING = "language_model.model.embed_tokens.weight"
-TARGET_LM_HEAD = "language_model.lm_head.weight"
 # The drafter layer's output projections, scaled (drafter_weight says why).
 DAMPING = 0.1
 
 
-def speculative_config(draft_dir: Path) -> str:
-    """``--speculative-config`` for the drafter in ``draft_dir``."""
-    return json.dumps(
-        {
-            "method": "eagle3",
-            "model": str(draft_dir),
-            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
-        }
-    )
+# The drafters the servers deploy with Kimi K3, by ``--speculative-config``
+# method: EAGLE-3 (its draft checkpoint, ``draft_dir``) and Kimi K3's own MTP
+# layer (``KimiK3MTPModel``, built from the target's checkpoint).
+METHODS = ("eagle3", "mtp")
+
+
+def speculative_config(draft_dir: Path, method: str = "eagle3") -> str:
+    """``--speculative-config`` for the drafter of ``method``."""
+    config = {"method": method, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    if method == "eagle3":
+        config["model"] = str(draft_dir)
+    elif method != "mtp":
+        raise ValueError(f"no test drafter for method {method!r}")
+    return json.dumps(config)
 
 
 class PagedCausalAttention(nn.Module, AttentionLayerBase):
@@ -211,7 +212,18 @@ def drafter_loader(seed: int):
     from vllm.model_executor.models import llama
     from vllm.v1.worker.gpu.spec_decode.eagle import utils as eagle_utils
 
+    saved = eagle_utils.get_model
+
     def get_model(*, vllm_config, model_config=None, prefix: str = "", **kwargs):
+        if vllm_config.speculative_config.method != "eagle3":
+            # Kimi K3's MTP: vLLM's loader with the target's stand-ins and
+            # seeded dummy weights (tests/serving/k3_standins.py).
+            return saved(
+                vllm_config=vllm_config,
+                model_config=model_config,
+                prefix=prefix,
+                **kwargs,
+            )
         dtype = torch.get_default_dtype()
         attention = llama.Attention
         compilation = vllm_config.compilation_config
@@ -233,7 +245,6 @@ def drafter_loader(seed: int):
             torch.set_default_dtype(dtype)
         return drafter.eval()
 
-    saved = eagle_utils.get_model
     eagle_utils.get_model = get_model
     try:
         yield

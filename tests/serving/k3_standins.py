@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 from collections.abc import Iterator
 
 import torch
@@ -187,8 +188,11 @@ class PagedPrefixMixer(nn.Module, AttentionLayerBase):
         out = torch.zeros_like(values)
         for start, end, history in self.histories(values):
             sums = torch.cumsum(history, 0)
-            query = positions[start:end].long()
-            out[start:end] = sums[query] / count[start:end, None]
+            # The step's tokens are the request's last ones (as in vLLM's
+            # backends): for the target, their positions; vLLM's MTP draft
+            # prefill hands the target's positions with the inputs shifted.
+            query = torch.arange(len(history) - (end - start), len(history))
+            out[start:end] = sums[query] / (query + 1).to(values.dtype)[:, None]
         return out
 
     def project(self, mixed: torch.Tensor) -> torch.Tensor:
@@ -254,8 +258,10 @@ class PagedSparseMixer(PagedPrefixMixer):
         else:
             parts = list(self.histories(hidden_states))
         for start, end, history in parts:
+            # The step's tokens are the request's last ones (PagedPrefixMixer).
+            last = torch.arange(len(history) - (end - start), len(history))
             chosen, mixed[start:end] = self.select(
-                hidden_states[start:end], history, positions[start:end].long()
+                hidden_states[start:end], history, last
             )
             buffer[start:end, : chosen.shape[1]] = chosen.to(buffer.dtype)
         return self.project(mixed)
@@ -306,11 +312,32 @@ def install_kernels() -> None:
             setattr(module, kernel, v2_kernel_standins._Launch(kernel, body))
 
 
+# The target's embedding and LM head, by the names vLLM's Kimi K3 class gives
+# them (its text model is its ``language_model``).
+TARGET_EMBEDDING = "language_model.model.embed_tokens.weight"
+TARGET_LM_HEAD = "language_model.lm_head.weight"
+
+
+def mtp_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """The seeded tensor of Kimi K3's MTP drafter (``KimiK3MTP``) parameter
+    ``name``: its embedding and its shared head hold the target's embedding
+    and LM head, as a checkpoint's MTP weights do (vLLM shares the target's
+    embedding with the drafter at PP = 1 only, where one rank holds both)."""
+    if name == "model.embed_tokens.weight":
+        name = TARGET_EMBEDDING
+    elif re.fullmatch(r"model\.layers\.\d+\.shared_head\.head\.weight", name):
+        name = TARGET_LM_HEAD
+    return tiny_k3.full_weight(name, shape, seed)
+
+
 def seeded_dummy_weights(loader, model: nn.Module, model_config) -> None:
     """``DummyModelLoader.load_weights``: one seeded full model, each rank
-    its shard."""
+    its shard (for the MTP drafter, :func:`mtp_weight`'s)."""
+    from vllm.models.kimi_k3.nvidia import mtp
+
+    weight = mtp_weight if isinstance(model, mtp.KimiK3MTP) else tiny_k3.full_weight
     with torch.no_grad():
-        tiny_k3.load_seeded_weights(model, SEED)
+        tiny_k3.load_seeded_weights(model, SEED, weight=weight)
 
 
 @contextlib.contextmanager

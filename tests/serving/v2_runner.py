@@ -105,6 +105,6 @@ class V2Runner(CPUModelRunner):
             text_model.end_layer,
             text_model.use_sequence_parallel,
         )
-        if self.speculator is not None or self.use_aux_hidden_state_outputs:
+        if self.vllm_config.speculative_config is not None:
             eagle3.log_drafts_and_relay(self)
         return loaded
