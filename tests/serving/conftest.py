@@ -52,6 +52,10 @@ class Layout:
     # The architecture name the served checkpoint's config.json carries
     # (vLLM 0.34.0; None: Kimi K3's). Each name is a directory of its own.
     architecture: str | None = None
+    # Started only once the other servers are stopped, its tests last: seven
+    # servers at once (some 40 processes) outgrew the 24 GiB machine (a rank
+    # killed, exit -9, 2026-12-07).
+    alone: bool = False
 
 
 # The sequence-parallel layout is served by the Rust frontend (as every arm
@@ -100,12 +104,13 @@ LAYOUTS = {
         {}
         if HAS_LEGACY_RUNNER
         else {
-            "TP1xPP1 MTP": Layout([], "python", None, drafter="mtp"),
+            "TP1xPP1 MTP": Layout([], "python", None, drafter="mtp", alone=True),
             "TP2xPP3 SP MTP (MegaMoE, EP)": Layout(
                 [*TP2PP3, "--moe-backend", "deep_gemm_mega_moe"],
                 "python",
                 None,
                 drafter="mtp",
+                alone=True,
             ),
         }
     ),
@@ -170,7 +175,14 @@ class Servers:
         """The named server, started (not waited for) with every other one
         the selected tests name: the start-ups overlap where they wait
         (imports, the engine's hand-shakes, the ranks' rendezvous)."""
+        alone = LAYOUTS[name].alone
+        if alone:  # the others' tests have run (pytest_collection_modifyitems)
+            for other, server in self.started.items():
+                if not LAYOUTS[other].alone:
+                    server.stop()
         for other in dict.fromkeys([name, *self.wanted]):
+            if LAYOUTS[other].alone != alone:
+                continue
             if other not in self.started:
                 layout = LAYOUTS[other]
                 env, args = dict(layout.env), list(layout.args)
@@ -197,7 +209,12 @@ class Servers:
         # Each start-up timed from its own start, all of them now; one that
         # fails is reported to the tests that ask for it.
         for other, started in self.started.items():
-            if other not in self.startup and other != name and LAYOUTS[other].starts:
+            if (
+                other not in self.startup
+                and other != name
+                and LAYOUTS[other].starts
+                and LAYOUTS[other].alone == LAYOUTS[name].alone
+            ):
                 with contextlib.suppress(RuntimeError, TimeoutError):
                     self.startup[other] = started.wait_ready()
         if name not in self.startup:
@@ -209,6 +226,19 @@ class Servers:
         if self.started:
             with ThreadPoolExecutor(len(self.started)) as pool:
                 list(pool.map(Server.stop, self.started.values()))
+
+
+def item_layouts(item: pytest.Item) -> set[str]:
+    return {n for m in item.iter_markers("layouts") for n in m.args}
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The tests of layouts that start alone run last, after every other."""
+    items.sort(
+        key=lambda item: any(
+            n in LAYOUTS and LAYOUTS[n].alone for n in item_layouts(item)
+        )
+    )
 
 
 def wanted_layouts(items: list[pytest.Item]) -> list[str]:
