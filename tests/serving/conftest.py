@@ -44,10 +44,18 @@ class Layout:
     env: dict[str, str] = field(default_factory=dict)
     # False for a server the stages' agreement must refuse at start-up.
     starts: bool = True
-    # With the tests' EAGLE-3 drafter (tests/serving/eagle3.py) and async
+    # The --speculative-config method of the tests' drafter
+    # (tests/serving/eagle3.py: "eagle3" or "mtp"), served with async
     # scheduling, which vLLM needs for a drafter at PP > 1
-    # (tests/serving/fork_processes.py says why).
-    drafter: bool = False
+    # (tests/serving/fork_processes.py says why); None: no drafter.
+    drafter: str | None = None
+    # The architecture name the served checkpoint's config.json carries
+    # (vLLM 0.34.0; None: Kimi K3's). Each name is a directory of its own.
+    architecture: str | None = None
+    # Started only once the other servers are stopped, its tests last: seven
+    # servers at once (some 40 processes) outgrew the 24 GiB machine (a rank
+    # killed, exit -9, 2026-12-07).
+    alone: bool = False
 
 
 # The sequence-parallel layout is served by the Rust frontend (as every arm
@@ -60,15 +68,21 @@ class Layout:
 # its completions the target's; they equal the model recomputed without any
 # runner, test_serve_parity.py). A layout is a server only where its
 # parallel sizes, flags or drafter differ.
+# The drafter of the EAGLE-3 layouts (vLLM 0.34.0's V2 runner; 0.33.0's
+# servers run a stand-in runner without a speculator, and no drafter test).
+EAGLE3 = None if HAS_LEGACY_RUNNER else "eagle3"
 LAYOUTS = {
-    "TP1xPP1": Layout([], "python", None, drafter=not HAS_LEGACY_RUNNER),
+    "TP1xPP1": Layout([], "python", None, drafter=EAGLE3),
     "TP2xPP2 SP (MegaMoE, EP)": Layout(
         [*TP2PP2, "--moe-backend", "deep_gemm_mega_moe"], "rust", "mega-sp"
     ),
+    # Served by K3.1's architecture name where vLLM's registry maps it: the
+    # class users load by either name is the one proven.
     "TP2xPP2 replicated (triton, EP)": Layout(
         [*TP2PP2, "--moe-backend", "triton", "--no-enable-prefix-caching"],
         "python",
         "fi-ep",
+        architecture=k3_checkpoint.ARCHITECTURES[-1],
     ),
     # Three stages: a middle stage receives shards and hands them on. Its
     # stage 0 hands on a row too many for a prompt that begins with
@@ -81,7 +95,24 @@ LAYOUTS = {
         "python",
         None,
         env={STAGE0_EXTRA_ROW: "1"},
-        drafter=not HAS_LEGACY_RUNNER,
+        drafter=EAGLE3,
+    ),
+    # Kimi K3's own MTP layer as the drafter (vLLM 0.34.0): a server of its
+    # own per layout (one --speculative-config a server), TP1xPP1 its
+    # reference. MTP reads the target's final hidden states, no aux state.
+    **(
+        {}
+        if HAS_LEGACY_RUNNER
+        else {
+            "TP1xPP1 MTP": Layout([], "python", None, drafter="mtp", alone=True),
+            "TP2xPP3 SP MTP (MegaMoE, EP)": Layout(
+                [*TP2PP3, "--moe-backend", "deep_gemm_mega_moe"],
+                "python",
+                None,
+                drafter="mtp",
+                alone=True,
+            ),
+        }
     ),
     # Stage 1 builds its model with another MoE backend, as a node started
     # with other flags would.
@@ -101,6 +132,13 @@ SP = "TP2xPP2 SP (MegaMoE, EP)"
 REPLICATED = "TP2xPP2 replicated (triton, EP)"
 SP_PP3 = "TP2xPP3 SP (MegaMoE, EP)"
 REFUSED = "TP2xPP2 SP, stage 1 triton"
+MTP_REFERENCE = "TP1xPP1 MTP"
+MTP_PP3 = "TP2xPP3 SP MTP (MegaMoE, EP)"
+# Per drafter method, its reference layout and the TP2xPP3 SP layout.
+DRAFTER_LAYOUTS = {
+    "eagle3": (EAGLE3_REFERENCE, SP_PP3),
+    "mtp": (MTP_REFERENCE, MTP_PP3),
+}
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -118,18 +156,33 @@ def free_port() -> int:
 class Servers:
     """The servers of `tests/serving` by layout name, started on first use."""
 
-    def __init__(self, vllm: Path, model_dir, draft_dir, logs, wanted) -> None:
-        self.vllm, self.model_dir, self.logs = vllm, model_dir, logs
+    def __init__(self, vllm: Path, root: Path, draft_dir, logs, wanted) -> None:
+        self.vllm, self.root, self.logs = vllm, root, logs
+        self.model_dir = self.model_dir_of(None)
         self.draft_dir = draft_dir
         self.wanted = wanted
         self.started: dict[str, Server] = {}
         self.startup: dict[str, float] = {}
 
+    def model_dir_of(self, architecture: str | None) -> Path:
+        """The served directory for ``architecture``, written once."""
+        path = self.root / f"tiny-k3-{architecture or 'default'}"
+        if not path.exists():
+            write_model_dir(path, architecture)
+        return path
+
     def start(self, name: str) -> Server:
         """The named server, started (not waited for) with every other one
         the selected tests name: the start-ups overlap where they wait
         (imports, the engine's hand-shakes, the ranks' rendezvous)."""
+        alone = LAYOUTS[name].alone
+        if alone:  # the others' tests have run (pytest_collection_modifyitems)
+            for other, server in self.started.items():
+                if not LAYOUTS[other].alone:
+                    server.stop()
         for other in dict.fromkeys([name, *self.wanted]):
+            if LAYOUTS[other].alone != alone:
+                continue
             if other not in self.started:
                 layout = LAYOUTS[other]
                 env, args = dict(layout.env), list(layout.args)
@@ -137,11 +190,11 @@ class Servers:
                     env["VLLM_USE_RUST_FRONTEND"] = "1"
                 if layout.drafter:
                     env[ASYNC_SCHEDULING] = "1"
-                    draft = speculative_config(self.draft_dir)
+                    draft = speculative_config(self.draft_dir, layout.drafter)
                     args += ["--speculative-config", draft, "--async-scheduling"]
                 log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
                 self.started[other] = Server(
-                    self.model_dir,
+                    self.model_dir_of(layout.architecture),
                     free_port(),
                     args,
                     env=env,
@@ -156,7 +209,12 @@ class Servers:
         # Each start-up timed from its own start, all of them now; one that
         # fails is reported to the tests that ask for it.
         for other, started in self.started.items():
-            if other not in self.startup and other != name and LAYOUTS[other].starts:
+            if (
+                other not in self.startup
+                and other != name
+                and LAYOUTS[other].starts
+                and LAYOUTS[other].alone == LAYOUTS[name].alone
+            ):
                 with contextlib.suppress(RuntimeError, TimeoutError):
                     self.startup[other] = started.wait_ready()
         if name not in self.startup:
@@ -168,6 +226,19 @@ class Servers:
         if self.started:
             with ThreadPoolExecutor(len(self.started)) as pool:
                 list(pool.map(Server.stop, self.started.values()))
+
+
+def item_layouts(item: pytest.Item) -> set[str]:
+    return {n for m in item.iter_markers("layouts") for n in m.args}
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """The tests of layouts that start alone run last, after every other."""
+    items.sort(
+        key=lambda item: any(
+            n in LAYOUTS and LAYOUTS[n].alone for n in item_layouts(item)
+        )
+    )
 
 
 def wanted_layouts(items: list[pytest.Item]) -> list[str]:
@@ -186,7 +257,7 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
         cache_model_info()  # while the preloaded process imports vLLM
         pool = Servers(
             vllm,
-            write_model_dir(root / "tiny-k3"),
+            root,
             k3_checkpoint.write_eagle3_draft(root / "tiny-k3-eagle3"),
             root,
             wanted_layouts(request.session.items),

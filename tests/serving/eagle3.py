@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tests.serving.k3_standins import TARGET_EMBEDDING, TARGET_LM_HEAD
 from tests.sppp_testbed import tiny_k3
 from vllm.config import get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank
@@ -61,15 +62,20 @@ NUM_SPECULATIVE_TOKENS = 2
 DAMPING = 0.1
 
 
-def speculative_config(draft_dir: Path) -> str:
-    """``--speculative-config`` for the drafter in ``draft_dir``."""
-    return json.dumps(
-        {
-            "method": "eagle3",
-            "model": str(draft_dir),
-            "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
-        }
-    )
+# The drafters the servers deploy with Kimi K3, by ``--speculative-config``
+# method: EAGLE-3 (its draft checkpoint, ``draft_dir``) and Kimi K3's own MTP
+# layer (``KimiK3MTPModel``, built from the target's checkpoint).
+METHODS = ("eagle3", "mtp")
+
+
+def speculative_config(draft_dir: Path, method: str = "eagle3") -> str:
+    """``--speculative-config`` for the drafter of ``method``."""
+    config = {"method": method, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+    if method == "eagle3":
+        config["model"] = str(draft_dir)
+    elif method != "mtp":
+        raise ValueError(f"no test drafter for method {method!r}")
+    return json.dumps(config)
 
 
 class PagedCausalAttention(nn.Module, AttentionLayerBase):
@@ -102,7 +108,7 @@ class PagedCausalAttention(nn.Module, AttentionLayerBase):
         context[prefix] = self
 
     def get_attn_backend(self):
-        from tests.serving.v2_runner import PrefixMixerBackend
+        from tests.serving.k3_standins import PrefixMixerBackend
 
         return PrefixMixerBackend
 
@@ -136,7 +142,7 @@ class PagedCausalAttention(nn.Module, AttentionLayerBase):
         if not isinstance(metadata, dict) or self.layer_name not in metadata:
             # Runs without attention metadata: the batch as one sequence.
             return self.attend(q, k, v, 0).reshape(q.shape[0], -1)
-        from tests.serving.v2_runner import new_token_slots, request_histories
+        from tests.serving.k3_standins import new_token_slots, request_histories
 
         common = metadata[self.layer_name]
         cache = self.kv_cache
@@ -167,8 +173,8 @@ def drafter_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor
     repetitive greedy completions accept, and a wrong row of tap 1 changes
     its drafts and how many are accepted."""
     targets = {
-        "model.embed_tokens.weight": "embed_tokens.weight",
-        "lm_head.weight": "lm_head.weight",
+        "model.embed_tokens.weight": TARGET_EMBEDDING,
+        "lm_head.weight": TARGET_LM_HEAD,
     }
     weight = tiny_k3.full_weight(targets.get(name, name), shape, seed)
     if name == "model.fc.weight":
@@ -206,7 +212,18 @@ def drafter_loader(seed: int):
     from vllm.model_executor.models import llama
     from vllm.v1.worker.gpu.spec_decode.eagle import utils as eagle_utils
 
+    saved = eagle_utils.get_model
+
     def get_model(*, vllm_config, model_config=None, prefix: str = "", **kwargs):
+        if vllm_config.speculative_config.method != "eagle3":
+            # Kimi K3's MTP: vLLM's loader with the target's stand-ins and
+            # seeded dummy weights (tests/serving/k3_standins.py).
+            return saved(
+                vllm_config=vllm_config,
+                model_config=model_config,
+                prefix=prefix,
+                **kwargs,
+            )
         dtype = torch.get_default_dtype()
         attention = llama.Attention
         compilation = vllm_config.compilation_config
@@ -228,7 +245,6 @@ def drafter_loader(seed: int):
             torch.set_default_dtype(dtype)
         return drafter.eval()
 
-    saved = eagle_utils.get_model
     eagle_utils.get_model = get_model
     try:
         yield

@@ -24,14 +24,25 @@ VLLM = Path(sys.executable).with_name("vllm")
 EOS = 0
 
 
-def write_model_dir(path: Path) -> Path:
-    """config.json (Llama-shaped: the engine only sizes its config from it;
-    the worker builds the tiny K3) and a character-level tokenizer."""
-    k3_checkpoint.write_tokenizer(
-        path,
-        4096,
-        chat_template="{% for m in messages %}{{ m['content'] }}\n{% endfor %}",
-    )
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+
+
+def write_model_dir(path: Path, architecture: str | None = None) -> Path:
+    """The served model directory with a character-level tokenizer and a
+    chat template. On vLLM 0.34.0, the tiny Kimi K3 checkpoint of
+    ``k3_checkpoint.write_checkpoint`` with ``architecture`` (K3's name by
+    default; vLLM's registry and loader build the class it names). On
+    0.33.0, whose servers run a stand-in runner that builds the tiny K3
+    itself, a Llama-shaped ``config.json`` that the engine only sizes its
+    config from."""
+    if not HAS_LEGACY_RUNNER:
+        k3_checkpoint.write_checkpoint(
+            path, architecture or k3_checkpoint.ARCHITECTURES[0]
+        )
+        # The served context (GSM8K's 5-shot prompts) and the chat template.
+        k3_checkpoint.write_tokenizer(path, 4096, chat_template=CHAT_TEMPLATE)
+        return path
+    k3_checkpoint.write_tokenizer(path, 4096, chat_template=CHAT_TEMPLATE)
     (path / "config.json").write_text(
         json.dumps(
             {
@@ -71,15 +82,30 @@ SERVE_ARGS = [
     "--kv-cache-memory-bytes", str(64 << 20),
 ]  # fmt: skip
 if not HAS_LEGACY_RUNNER:
-    # vLLM 0.34.0's V2 runner: attention reads each request's history through
-    # its block table, and blocks of 4 tokens make every prompt of more than
-    # 4 tokens, and its decode steps, cross blocks.
-    SERVE_ARGS += ["--block-size", "4"]
+    # vLLM 0.34.0 serving Kimi K3 on the CPU platform: MLA makes the platform
+    # turn prefix caching off (and chunked prefill, and sets 16-token blocks)
+    # after the hybrid-model hook sized the KDA state for caching, which the
+    # config then refuses ("--mamba-block-size can only be set with
+    # --enable-prefix-caching"): off from the start. vLLM's native torch ops
+    # (the CPU ones are vllm._C's, which the CUDA wheel lacks). The tests'
+    # character-level tokenizer and its chat template in place of Kimi K3's
+    # own (tokenizer mode "kimi_k3", which vLLM picks for the class: its
+    # renderer in the Rust frontend formats chats its own way).
+    SERVE_ARGS += [
+        "--no-enable-prefix-caching",
+        "--tokenizer-mode", "hf",
+        "--compilation-config", json.dumps({"custom_ops": ["none"]}),
+    ]  # fmt: skip
 
 
-# The classes the test servers serve: the target's (config.json above) and the
-# drafter's, as vLLM's ``eagle3`` method names it (tests/serving/eagle3.py).
-SERVED_ARCHITECTURES = ("LlamaForCausalLM", "Eagle3LlamaForCausalLM")
+# The classes the test servers serve: the target's (config.json above, by each
+# name a layout serves) and the drafter's, as vLLM's ``eagle3`` method names it
+# (tests/serving/eagle3.py).
+SERVED_ARCHITECTURES = (
+    ("LlamaForCausalLM", "Eagle3LlamaForCausalLM")
+    if HAS_LEGACY_RUNNER
+    else (*k3_checkpoint.ARCHITECTURES, "Eagle3LlamaForCausalLM")
+)
 
 
 def cache_model_info(architectures=SERVED_ARCHITECTURES) -> None:

@@ -24,14 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from tests.serving.conftest import EAGLE3_REFERENCE, SP_PP3
-from tests.serving.eagle3 import DRAFTS_LOG, NUM_SPECULATIVE_TOKENS, RELAY_LOG
+from tests.serving.conftest import DRAFTER_LAYOUTS
+from tests.serving.eagle3 import DRAFTS_LOG, METHODS, NUM_SPECULATIVE_TOKENS, RELAY_LOG
 from tests.sppp_testbed.bases import only_from_0_34
 
-pytestmark = [
-    only_from_0_34("vLLM 0.34.0's V2 runner and speculator serve the drafter"),
-    pytest.mark.layouts(EAGLE3_REFERENCE, SP_PP3),
-]
+pytestmark = only_from_0_34("vLLM 0.34.0's V2 runner and speculator serve the drafter")
 
 # Sent one at a time: 1 token (< TP), 3, 7 and 23 (not divisible by TP);
 # each decode step then runs 1 + 2 draft tokens, 3 rows, odd as well.
@@ -39,7 +36,7 @@ ALONE = ["z", "xyz", "Seven!!", "Relay the taps, please."]
 # Sent at once: prefills mixed with decodes of the others.
 TOGETHER = ["Draft", "k" * 9, "Aux states cross stages.", "?!"]
 MAX_TOKENS = 10
-LAYOUTS = [EAGLE3_REFERENCE, SP_PP3]
+REFERENCE, PP3 = "reference", "TP2xPP3"
 
 
 def spec_decode_counters(url: str) -> dict[str, float]:
@@ -67,12 +64,21 @@ def logged_drafts(lines: list[str]) -> dict[str, list[list[int]]]:
     return drafts
 
 
-@pytest.fixture(scope="module")
-def served(servers):
-    """Per layout: completions, each request's drafts and the counters'
-    increase over these requests."""
-    found = {}
-    for name in LAYOUTS:
+@pytest.fixture(
+    scope="module",
+    params=[
+        pytest.param(m, marks=pytest.mark.layouts(*DRAFTER_LAYOUTS[m]), id=m)
+        for m in METHODS
+    ],
+)
+def served(servers, request):
+    """Per drafter method, for its TP1xPP1 reference and its TP2xPP3 SP
+    layout: completions, each request's drafts and the counters' increase
+    over these requests."""
+    found = {"method": request.param}
+    for role, name in zip(
+        (REFERENCE, PP3), DRAFTER_LAYOUTS[request.param], strict=True
+    ):
         server = servers[name]
         before = spec_decode_counters(server.url)
         start = len(server.log.read_text(errors="replace").splitlines())
@@ -81,7 +87,7 @@ def served(servers):
             texts += pool.map(server.complete, TOGETHER, [MAX_TOKENS] * len(TOGETHER))
         after = spec_decode_counters(server.url)
         lines = server.log.read_text(errors="replace").splitlines()
-        found[name] = {
+        found[role] = {
             "completions": dict(zip(ALONE + TOGETHER, texts, strict=True)),
             "drafts": logged_drafts(lines[start:]),
             "counters": {k: after[k] - before.get(k, 0.0) for k in after},
@@ -91,25 +97,26 @@ def served(servers):
 
 
 def test_completions_match_tp1_pp1_token_for_token(served):
-    reference = served[EAGLE3_REFERENCE]["completions"]
+    reference = served[REFERENCE]["completions"]
     assert all(len(text) == MAX_TOKENS for text in reference.values())
-    assert served[SP_PP3]["completions"] == reference
+    assert served[PP3]["completions"] == reference
 
 
 def test_the_middle_stage_relays_stage_0s_tap_on_every_tp_rank(served):
-    """The relay runs: the middle stage's PP handler relays the slot of the
-    tap stage 0 sends (layer 1), on both TP ranks; the first and last stages
-    relay nothing (vLLM's ``aux_hidden_state_relay_keys``)."""
+    """The relay runs where the drafter reads aux states: with EAGLE-3 the
+    middle stage's PP handler relays the slot of the tap stage 0 sends
+    (layer 1), on both TP ranks; the first and last stages relay nothing
+    (vLLM's ``aux_hidden_state_relay_keys``). MTP reads no aux state: no
+    stage relays."""
     relays = sorted(
-        re.findall(
-            rf"{RELAY_LOG} (\d) relays (\[.*\])", "\n".join(served[SP_PP3]["log"])
-        )
+        re.findall(rf"{RELAY_LOG} (\d) relays (\[.*\])", "\n".join(served[PP3]["log"]))
     )
+    middle = "['aux_hidden_states_0']" if served["method"] == "eagle3" else "[]"
     assert relays == [
         ("0", "[]"),
         ("0", "[]"),
-        ("1", "['aux_hidden_states_0']"),
-        ("1", "['aux_hidden_states_0']"),
+        ("1", middle),
+        ("1", middle),
         ("2", "[]"),
         ("2", "[]"),
     ]
@@ -146,8 +153,8 @@ def test_drafts_match_tp1_pp1_request_by_request(served):
     drafter read the same aux rows, the relayed tap among them. (Greedy
     verification gives both servers the same completions whatever the
     drafts; a wrong aux row shows here.)"""
-    reference = served[EAGLE3_REFERENCE]
-    drafts = served[SP_PP3]["drafts"]
+    reference = served[REFERENCE]
+    drafts = served[PP3]["drafts"]
     assert set(reference["drafts"]) == set(drafts) == set(ALONE + TOGETHER)
     compared = []
     for prompt, steps in reference["drafts"].items():
@@ -163,11 +170,11 @@ def test_drafts_match_tp1_pp1_request_by_request(served):
 def test_spec_decode_counters_match_tp1_pp1(served):
     """vLLM's own counters (``/metrics``): as many drafts, draft tokens and
     accepted tokens per position as at TP1xPP1, some of them accepted."""
-    reference = served[EAGLE3_REFERENCE]["counters"]
+    reference = served[REFERENCE]["counters"]
     print(f"\nspec-decode counters over these requests: {reference}")
     assert reference["vllm:spec_decode_num_drafts_total"] > 0
     assert reference["vllm:spec_decode_num_accepted_tokens_total"] > 0
-    assert served[SP_PP3]["counters"] == reference
+    assert served[PP3]["counters"] == reference
 
 
 def test_accepted_drafts_are_those_the_completions_confirm(served):
@@ -177,7 +184,7 @@ def test_accepted_drafts_are_those_the_completions_confirm(served):
     counters report accepted, position by position; each request drafted in
     every step it took (and at most one more: async scheduling may run a
     step past the last token)."""
-    for name in LAYOUTS:
+    for name in (REFERENCE, PP3):
         accepted = [0] * NUM_SPECULATIVE_TOKENS
         for prompt, completion in served[name]["completions"].items():
             steps = served[name]["drafts"][prompt]

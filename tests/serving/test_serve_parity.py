@@ -21,6 +21,7 @@ import torch
 
 from tests.serving.conftest import LAYOUTS, REFERENCE, REFUSED, SP_PP3, free_port
 from tests.serving.worker import EXTRA_ROW_MARK
+from tests.sppp_testbed import k3_checkpoint
 from tests.sppp_testbed.bases import only_from_0_34
 
 # Prompt lengths 1 (< TP), 3 and 11 (not divisible by TP), 44; every decode
@@ -30,8 +31,12 @@ ALONE = ["a", "abc", "Hello world", "The quick brown fox jumps over the lazy dog
 TOGETHER = ["x" * 5, "Question: 2 + 3 = ?", "q", "0123456789" * 3, "Mixed batch."]
 MAX_TOKENS = 8
 # Every layout that starts, against TP1xPP1.
+# (The layouts that start alone are compared with their own reference by
+# test_serve_drafter.py.)
 COMPARED = [
-    name for name, layout in LAYOUTS.items() if layout.starts and name != REFERENCE
+    name
+    for name, layout in LAYOUTS.items()
+    if layout.starts and not layout.alone and name != REFERENCE
 ]
 
 
@@ -158,27 +163,52 @@ def test_every_rank_runs_vllms_model_runner_v2(servers, name):
     loads = re.findall(
         r"\((Worker\S*) pid=\d+\).*\[model_runner\.py:\d+\] Model loading", log
     )
-    built = re.findall(r"V2 runner: PP stage \d+, .*sequence parallel: (\w+)", log)
+    built = re.findall(
+        r"V2 runner: PP stage \d+, (\w+) built by vLLM, .*sequence parallel: (\w+)",
+        log,
+    )
     assert len(set(loads)) == rank_count(args), loads
     sp = "deep_gemm_mega_moe" in args
-    assert built == [str(sp)] * rank_count(args)
+    assert built == [("KimiK3ForConditionalGeneration", str(sp))] * rank_count(args)
+
+
+@only_from_0_34("vLLM 0.34.0's servers serve the Kimi K3 checkpoint")
+@pytest.mark.layouts(REFERENCE, *COMPARED)
+def test_the_servers_serve_every_architecture_name_of_kimi_k3(servers):
+    """The served checkpoints carry the architecture names of K3 and K3.1
+    checkpoints (each that vLLM's registry maps), one or the other per
+    layout; vLLM resolves each layout's name, and every name is served by a
+    layout whose parity the tests above compare."""
+    served = {}
+    for name, layout in LAYOUTS.items():
+        if not layout.starts or layout.alone:  # alone: K3's name, tests last
+            continue
+        log = servers[name].log.read_text()
+        resolved = re.findall(r"Resolved architecture: (\w+)", log)
+        served[name] = resolved[0]
+        assert served[name] == (layout.architecture or k3_checkpoint.ARCHITECTURES[0])
+    print("\n" + "\n".join(f"{n}: {a}" for n, a in served.items()))
+    assert set(served.values()) == set(k3_checkpoint.ARCHITECTURES)
 
 
 @pytest.fixture(scope="module")
-def recomputed():
-    """Greedy completions of the tiny K3 with no runner, no KV cache and no
-    stand-in kernel: the test bed's model (attention over the whole
-    sequence, ``tiny_k3.SequenceMixer``) recomputed over each prompt and
-    every token generated so far, in a one-rank gloo world of this process,
-    with the servers' seed and LM head."""
-    from tests.serving.worker import SEED
-    from tests.sppp_testbed import tiny_k3
+def recomputed(model_dir):
+    """Greedy completions of the served class with no runner, no KV cache
+    and no paged attention: ``KimiK3ForConditionalGeneration`` built by
+    vLLM's ``initialize_model`` from the served checkpoint's config, with the
+    test bed's stand-ins (attention over the whole sequence,
+    ``tiny_k3.SequenceMixer``) and the servers' seeded weights, recomputed
+    over each prompt and every token generated so far, in a one-rank gloo
+    world of this process."""
+    from tests.serving.k3_standins import SEED
+    from tests.sppp_testbed import loaded_stages, tiny_k3
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import (
         init_distributed_environment,
         initialize_model_parallel,
         model_parallel_is_initialized,
     )
+    from vllm.model_executor.model_loader.utils import initialize_model
 
     if not model_parallel_is_initialized():
         with set_current_vllm_config(VllmConfig()):
@@ -190,22 +220,22 @@ def recomputed():
                 backend="gloo",
             )
             initialize_model_parallel(1, 1)
-    config = tiny_k3.scenario_config(1, 1, sp=False)
+    config = loaded_stages.engine_config(str(model_dir), None, 1, 1, sp=False)
     dtype = torch.get_default_dtype()
     with set_current_vllm_config(config), tiny_k3.stand_ins(), torch.no_grad():
+        torch.set_default_dtype(tiny_k3.DTYPE)
         try:
-            model = tiny_k3.build_model(config, SEED)
+            model = initialize_model(vllm_config=config)
+            tiny_k3.load_seeded_weights(model, SEED)
         finally:
             torch.set_default_dtype(dtype)
-        lm_head = tiny_k3.full_weight(
-            "lm_head.weight", (tiny_k3.VOCAB, tiny_k3.HIDDEN), SEED
-        )
 
         def complete(prompt: str) -> str:
             ids = [ord(c) for c in prompt]  # the tests' character tokenizer
             for _ in range(MAX_TOKENS):
                 hidden = model(torch.tensor(ids), torch.arange(len(ids)), None)
-                ids.append(int(torch.argmax((hidden[-1] @ lm_head.T).float())))
+                logits = model.compute_logits(hidden[-1:])
+                ids.append(int(torch.argmax(logits[0])))
             return "".join(map(chr, ids[len(prompt) :]))
 
         return {prompt: complete(prompt) for prompt in ALONE + TOGETHER}

@@ -314,9 +314,10 @@ class StandInModelRunner:
 
 
 def runner_class() -> type:
-    """vLLM's own Model Runner V2 (``CPUModelRunner``) with the tiny K3 on
-    vLLM 0.34.0 (:mod:`tests.serving.v2_runner`); on 0.33.0, whose servers
-    run the legacy runner path, the stand-in runner."""
+    """vLLM's own Model Runner V2 (``CPUModelRunner``) on vLLM 0.34.0, whose
+    loader builds the checkpoint's Kimi K3 class (:mod:`tests.serving.v2_runner`);
+    on 0.33.0, whose servers run the legacy runner path, the stand-in runner,
+    which builds the tiny K3 itself."""
     if HAS_LEGACY_RUNNER:
         return StandInModelRunner
     from tests.serving.v2_runner import V2Runner
