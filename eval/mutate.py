@@ -474,10 +474,16 @@ def worker_tree(target: Path, dest: Path, expected: dict[str, str]) -> Path:
     return dest
 
 
-def run_jobs(args: argparse.Namespace, expected: dict[str, str], state: Path) -> int:
-    """``--jobs N``: N workers, each deciding every N-th undecided mutant in
-    its own :func:`worker_tree` (first on ``PYTHONPATH``, so the tests and
-    their ranks import it), appending to the one results file."""
+def run_jobs(
+    args: argparse.Namespace, expected: dict[str, str], state: Path, todo: list[str]
+) -> int:
+    """``--jobs N``: N workers, each deciding every N-th of ``todo`` (the
+    mutant ids this process found undecided, written to the worker's
+    ``todo.json``) in its own :func:`worker_tree` (first on ``PYTHONPATH``,
+    so the tests and their ranks import it), appending to the one results
+    file. Dealt here, not by each worker reading that file again: a worker
+    started after another has appended would find fewer mutants undecided
+    and take a different share, deciding some twice and others never."""
     shared = ["--patch-set", str(args.patch_set), "--results", str(args.results)]
     shared += ["--timeout", str(args.timeout), "--tests", *args.tests]
     shared += ["--files", *args.files] if args.files else []
@@ -492,6 +498,7 @@ def run_jobs(args: argparse.Namespace, expected: dict[str, str], state: Path) ->
             shutil.copy2(state / "calls.json", home / "calls.json")
         path = (str(site), str(PROJECT_DIR), os.environ.get("PYTHONPATH"))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, path)))
+        (home / "todo.json").write_text(json.dumps(todo[i :: args.jobs]))
         own = ["--target", str(site), "--state", str(home)]
         own += ["--shard", f"{i}/{args.jobs}"]
         cmd = [sys.executable, "-m", "eval.mutate", *shared, *own]
@@ -575,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     # A survivor shown equivalent (for these bytes: the id says which) cannot
     # be killed by any test; the others are tried again when the tests change.
     equivalent = equivalent_ids(args.results)
-    todo, all_ids = [], []
+    todo, all_ids, mutants = [], [], {}
     trees: dict[str, ast.AST] = {}
     for rel, lines in sorted(added_lines(root).items()):
         source = (args.target / rel).read_text()
@@ -587,6 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         for m in mutants_of(rel, source, lines):
             mid = m.key(expected[rel])
             all_ids.append(mid)
+            mutants[mid] = m
             rec = done.get(mid)
             if rec and (
                 rec["status"] == "killed" or rec["tests"] == tdig or mid in equivalent
@@ -601,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.executable, root, args.target, args.tests, expected, installed.state
         )
     if args.jobs > 1 and todo:
-        code = run_jobs(args, expected, installed.state)
+        code = run_jobs(args, expected, installed.state, [mid for mid, _ in todo])
         done = decided(db_path)
         write_summary(
             args.results, [done[i] for i in all_ids if i in done], len(all_ids)
@@ -609,8 +617,9 @@ def main(argv: list[str] | None = None) -> int:
         return code
     label = ""
     if args.shard:
-        index, count = (int(n) for n in args.shard.split("/"))
-        todo, label = todo[index::count], f"[worker {index}] "
+        dealt = json.loads((args.state / "todo.json").read_text())
+        todo = [(mid, mutants[mid]) for mid in dealt]
+        label = f"[worker {args.shard.split('/')[0]}] "
 
     def stop(signum, frame):
         raise KeyboardInterrupt

@@ -4,6 +4,7 @@ kills some of its mutants, the tree restored after every mutant."""
 
 import hashlib
 import json
+import subprocess
 import textwrap
 from pathlib import Path
 
@@ -158,6 +159,41 @@ def test_jobs_decide_as_one_process_does_in_copies_of_the_tree(tmp_path, monkeyp
     worker = root / "build" / "mutate" / "worker-1" / "site" / "vllm"
     assert not (worker / "probe.py").is_symlink()  # mutated there, a copy
     assert (worker / "other.py").is_symlink()
+
+
+def test_a_worker_that_starts_late_decides_its_own_share(tmp_path, monkeypatch):
+    """The workers of ``--jobs 2`` run one after the other, the worst case of
+    their start-up race: the second starts once the first has appended all
+    its results. Each mutant is still decided once, and every one is."""
+    root, target = _tree(tmp_path)
+    (target / "vllm" / "__init__.py").write_text("")
+    (root / "tests" / "test_probe.py").write_text(
+        "import vllm.probe\n\n\n"
+        "def test_rows():\n    assert vllm.probe.rows(5, 2) == 3\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(target))
+
+    start = subprocess.Popen
+
+    def one_after_the_other(cmd, **kwargs):
+        """A worker runs to its end before the next one starts."""
+        process = start(cmd, **kwargs)
+        if "--shard" in cmd:
+            process.wait()
+        return process
+
+    monkeypatch.setattr(mutate.subprocess, "Popen", one_after_the_other)
+    results = tmp_path / "results"
+    argv = ["--patch-set", str(root), "--target", str(target), "--tests", "tests"]
+    argv += ["--results", str(results), "--jobs", "2", "--all-tests"]
+    assert mutate.main(argv) == 0
+    recs = (results / "mutants.jsonl").read_text().splitlines()
+    ids = [json.loads(x)["id"] for x in recs]
+    source = (target / "vllm" / "probe.py").read_text()
+    lines = mutate.added_lines(root)["vllm/probe.py"]
+    digest = hashlib.sha256(source.encode()).hexdigest()
+    every = {m.key(digest) for m in mutate.mutants_of("vllm/probe.py", source, lines)}
+    assert sorted(ids) == sorted(every)
 
 
 def test_calls_are_recorded_through_a_linked_tree(tmp_path):
