@@ -7,7 +7,8 @@ four times on the same two cores. Here one process imports the CLI and the
 serving path once; each run is a fork of it that executes vLLM's own ``vllm``
 entry point (``vllm.entrypoints.cli.main.main``) with the caller's arguments,
 working directory, environment and standard streams, and answers with its
-exit code. vLLM's code is unchanged: only its imports happened earlier. The
+exit code. vLLM's code is unchanged: only its imports happened earlier (and
+what they made is frozen out of the garbage collector's sight). The
 servers' EngineCore and workers are forked from there as on a GPU node
 (tests/serving/fork_processes.py).
 
@@ -32,6 +33,8 @@ NAME; :func:`command` writes the executable run in place of ``vllm``.
 from __future__ import annotations
 
 import contextlib
+import gc
+import importlib
 import json
 import os
 import signal
@@ -147,6 +150,18 @@ def serve(name: str) -> None:
     import vllm.v1.executor.multiproc_executor  # noqa: F401
 
     vllm.entrypoints.cli.benchmark.main._import_bench_subcommand_modules()
+    # And what each server's processes import after the fork: the API server
+    # Kimi K3's config and processor, every rank the tests' worker
+    # (``--worker-cls``), its runner and the model modules below them (1.7
+    # CPU-s a rank, alone; ``tests/serving`` starts 26 ranks).
+    for module in ("vllm.models.kimi_k3", "tests.serving.v2_runner"):
+        importlib.import_module(module)
+    # Out of the collector's sight from here on: each fork (and its API
+    # server, EngineCore and ranks) would otherwise walk all of it again in
+    # every full collection (vLLM's ``DeviceMemoryProfiler`` runs two per
+    # model load), writing to each page it walks, so every process pays the
+    # walk and a private copy of pages the fork could have shared.
+    gc.freeze()
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forks reap themselves
     with socket.socket(socket.AF_UNIX) as listener:
         # An abstract address: no file, and no limit from the path's length.

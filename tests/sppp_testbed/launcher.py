@@ -45,6 +45,7 @@ FORK_SERVER_PRELOAD = (
     "vllm.distributed",
     "tests.sppp_testbed.stages",
     "tests.sppp_testbed.loaded_stages",
+    "tests.sppp_testbed.frozen_heap",  # last: freezes what the others made
 )
 
 START_TIMEOUT_S = 180.0
