@@ -96,8 +96,10 @@ class StageFlags:
     # A model that declares no hand-off and has no EAGLE taps, as most
     # models of 0.33.0.
     plain_model: bool = False
-    # The stage cannot compute its settings (a planted error).
+    # The stage cannot compute its rows (a planted error).
     broken: bool = False
+    # The stage cannot compute its settings (a planted error).
+    broken_settings: bool = False
     # The worker's all_gather_tensors were taken before the aux layers were
     # set (a stale declaration): its transport would treat aux keys as
     # replicas.
@@ -251,6 +253,12 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
                     raise RuntimeError("planted: this stage cannot answer")
 
                 model.get_pp_intermediate_tensor_num_rows = broken
+            if flags.broken_settings:
+
+                def modules():
+                    raise RuntimeError("planted: this stage cannot answer")
+
+                model.modules = modules
             if flags.num_speculative_tokens:
                 # Only the count matters to the hand-off; no drafter is built
                 # here. K3's drafter is its one-module MTP (on 0.34.0 its
@@ -1017,6 +1025,16 @@ def test_a_stage_that_cannot_answer_fails_every_stage_at_once(pool):
         "RuntimeError: planted: this stage cannot answer"
     )
     assert [error for error, _ in results] == [message] * pool.world, results
+    # Its settings, before kernel warm-up: the same, through the first round;
+    # the failing stage raises from its own error, its traceback kept.
+    results = run_stages(pool, SP, dataclasses.replace(SP, broken_settings=True))
+    message = (
+        "Pipeline stages could not compare their hand-off settings: stage 1: "
+        "RuntimeError: planted: this stage cannot answer"
+    )
+    cause = " [cause: RuntimeError('planted: this stage cannot answer')]"
+    errors = [error for error, _ in results]
+    assert errors == [message] * pool.tp + [message + cause] * pool.tp, errors
 
 
 @topologies((2, 2))
