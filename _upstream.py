@@ -57,6 +57,10 @@ from _apply import (
 
 PULLS = "pull-requests.ini"
 PULL_KEYS = ("title", "patches", "overlay", "sections", "figures", "to-measure")
+# What only the patch set needs (a seam upstream fills with what vLLM knows):
+# declared in this section, never in a pull request; its patches say
+# `Forwarded: not-needed`.
+NOT_UPSTREAM = "not-upstream"
 NOT_RUN_HERE = (
     "Not run here: the model on GPUs across ranks. k3-sppp's tests run on "
     "the CPU with gloo: unit tests with fakes, and a tiny Kimi K3 built from "
@@ -116,11 +120,12 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
     by_name = {p.name: p for p in patch_set.patches}
     owner: dict[str, str] = {}
     pulls = []
-    for number, key in enumerate(config.sections(), 1):
+    for key in config.sections():
         section = config[key]
-        for unknown in sorted(set(section) - set(PULL_KEYS)):
+        allowed = ("patches", "overlay") if key == NOT_UPSTREAM else PULL_KEYS
+        for unknown in sorted(set(section) - set(allowed)):
             problems.append(f"{path}: [{key}] has unknown key {unknown!r}")
-        if not section.get("title", "").strip():
+        if not section.get("title", "").strip() and key != NOT_UPSTREAM:
             problems.append(f"{path}: [{key}] has no title")
         names = lines_of(section, "patches")
         overlay = lines_of(section, "overlay")
@@ -141,6 +146,17 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
                     f"{path}: [{key}] names {rel}, which is not under vllm_overlay/ "
                     "(nor the base's own)"
                 )
+        if key == NOT_UPSTREAM:
+            for name in names:
+                forwarded = (
+                    by_name[name].headers.get("Forwarded") if name in by_name else ""
+                )
+                if forwarded != "not-needed":
+                    problems.append(
+                        f"{path}: [{key}] names {name}, whose Forwarded is "
+                        f"{forwarded!r}, not 'not-needed'"
+                    )
+            continue
         pulls.append(
             PullRequest(
                 key,
@@ -149,7 +165,7 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
                 overlay,
                 lines_of(section, "figures"),
                 lines_of(section, "to-measure"),
-                number,
+                len(pulls) + 1,
                 lines_of(section, "sections"),
             )
         )
@@ -162,6 +178,9 @@ def read_pulls(patch_set: PatchSet) -> tuple[list[PullRequest], list[str]]:
                 f"{patch_set.overlay_source(rel)}: belongs to no pull request in {path}"
             )
     declared = [p.name for pr in pulls for p in pr.patches]
+    declared += (
+        lines_of(config[NOT_UPSTREAM], "patches") if NOT_UPSTREAM in config else []
+    )
     in_series = [p.name for p in patch_set.patches if p.name in declared]
     if declared != in_series:
         problems.append(
@@ -235,8 +254,8 @@ def preamble(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> 
     before = [p.stem + ".diff" for p in pulls[: pr.number - 1]]
     lines = [
         f"{pr.title}",
-        f"Pull request {pr.number} of {len(pulls)}: k3-sppp revision "
-        f"{patch_set.revision()} against vLLM {patch_set.base_version()}.",
+        f"Pull request {pr.number} of {len(pulls)}, against vLLM "
+        f"{patch_set.base_version()}.",
         *[f"{p.name}: {p.headers['Subject']}" for p in pr.patches],
         "Apply from a vLLM source root with `git apply`"
         + (f", after {', '.join(before)}." if before else "."),
@@ -244,10 +263,28 @@ def preamble(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> 
     return "".join(f"# {line}\n" for line in lines)
 
 
-def describe(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> str:
+def added_lines(diff: str) -> tuple[int, int]:
+    """Lines a diff adds outside ``tests/`` and inside it."""
+    code = tests = 0
+    in_tests = False
+    for line in diff.splitlines():
+        if line.startswith("diff --git "):
+            in_tests = line.split()[-1].startswith("b/tests/")
+        elif line.startswith("+") and not line.startswith("+++"):
+            tests += in_tests
+            code += not in_tests
+    return code, tests
+
+
+def describe(
+    patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest], diff: str = ""
+) -> str:
     """The pull request's description in vLLM's template, from the patch
     headers, the declaration and the committed figures it names."""
     out = [f"# {pr.title}", "", "## Purpose", ""]
+    if diff:
+        code, tests = added_lines(diff)
+        out += [f"Size: {code} lines added outside tests, {tests} in tests.", ""]
     if pr.number > 1:
         needs = ", ".join(f"{p.number}. {p.title}" for p in pulls[: pr.number - 1])
         out += [f"On top of the pull requests before it: {needs}.", ""]
@@ -272,7 +309,9 @@ def describe(patch_set: PatchSet, pr: PullRequest, pulls: list[PullRequest]) -> 
     out += [
         "k3-sppp (the patch set this pull request comes from) runs these "
         "tests in its `make test`, with the series applied to vLLM "
-        f"{patch_set.base_version()}.",
+        f"{patch_set.base_version()}. The tests that need real TP x PP rank "
+        "processes (gloo on the CPU, a tiny Kimi K3) stay in its test bed, "
+        "which this diff does not carry.",
         "",
         "## Test Result",
         "",
@@ -312,7 +351,8 @@ def write_pulls(patch_set: PatchSet, target: Target, out: Path) -> list[Path]:
     written = []
     for pr in pulls:
         diff = diffs[pr.number - 1]
-        for suffix, text in ((".diff", diff), (".md", describe(patch_set, pr, pulls))):
+        described = describe(patch_set, pr, pulls, diff)
+        for suffix, text in ((".diff", diff), (".md", described)):
             path = out / (pr.stem + suffix)
             path.write_text(text, encoding="utf-8")
             written.append(path)

@@ -25,6 +25,7 @@ import torch
 from tests.distributed.conftest import topologies
 from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER, only_from_0_34, only_on_0_33
 from tests.sppp_testbed.tiny_k3 import build_model, scenario_config, stand_ins
+from tests.sppp_testbed.warm_up import run_warm_up
 from vllm.config import (
     CompilationMode,
     CUDAGraphMode,
@@ -40,11 +41,13 @@ from vllm.platforms import current_platform
 from vllm.v1.worker import pp_hand_off_agreement
 from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from vllm.v1.worker.gpu.lora_utils import get_lora_capture_cases
-from vllm.v1.worker.pp_hand_off_agreement import check_pp_hand_off_agreement
+from vllm.v1.worker.pp_hand_off_agreement import PPStageCheck
 
 if HAS_LEGACY_RUNNER:
     from vllm.v1.cudagraph_dispatcher import CudagraphDispatcher
-    from vllm.v1.worker.pp_hand_off_runner import check_aux_layers_on_the_last_stage
+    from vllm.v1.worker.pp_hand_off_agreement import (
+        check_aux_layers_on_the_last_stage,
+    )
 
 # The runners this vLLM has: 0.34.0 deleted the legacy one.
 RUNNERS = ("legacy", "v2") if HAS_LEGACY_RUNNER else ("v2",)
@@ -93,8 +96,10 @@ class StageFlags:
     # A model that declares no hand-off and has no EAGLE taps, as most
     # models of 0.33.0.
     plain_model: bool = False
-    # The stage cannot compute its settings (a planted error).
+    # The stage cannot compute its rows (a planted error).
     broken: bool = False
+    # The stage cannot compute its settings (a planted error).
+    broken_settings: bool = False
     # The worker's all_gather_tensors were taken before the aux layers were
     # set (a stale declaration): its transport would treat aux keys as
     # replicas.
@@ -248,6 +253,12 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
                     raise RuntimeError("planted: this stage cannot answer")
 
                 model.get_pp_intermediate_tensor_num_rows = broken
+            if flags.broken_settings:
+
+                def modules():
+                    raise RuntimeError("planted: this stage cannot answer")
+
+                model.modules = modules
             if flags.num_speculative_tokens:
                 # Only the count matters to the hand-off; no drafter is built
                 # here. K3's drafter is its one-module MTP (on 0.34.0 its
@@ -276,9 +287,21 @@ def start_stage(flags_by_stage: list[StageFlags]) -> tuple[str | None, list[str]
                 if flags.runner == "legacy":
                     runner.cudagraph_dispatcher.dispatch = foreign
                 else:  # a graph manager of its own, with another signature
-                    runner.cudagraph_manager.find_candidate = foreign
+                    runner.cudagraph_manager.dispatch = foreign
             try:
-                check_pp_hand_off_agreement(config, model, runner, all_gather_tensors)
+                # As the worker runs it: before kernel warm-up, around each
+                # warm-up step, and once graphs are captured.
+                check = PPStageCheck(config, model, runner, all_gather_tensors)
+                if flags.runner == "v2" or not HAS_LEGACY_RUNNER:
+                    run_warm_up(
+                        config,
+                        check.warm_up(lambda scheduler_output: None),
+                        check.bounds["max_query_len"],
+                    )
+                manager = getattr(runner, "cudagraph_manager", None)
+                if manager is not None and not flags.enforce_eager:
+                    manager._graphs_captured = True  # what capture_model sets
+                check.finish()
             except RuntimeError as error:
                 cause = f" [cause: {error.__cause__!r}]" if error.__cause__ else ""
                 return f"{error}{cause}", warnings
@@ -322,9 +345,7 @@ def test_without_sp_a_last_stage_that_pads_less_starts_with_a_warning(pool):
         dataclasses.replace(NO_SP, cudagraph_mode="NONE"),
         dataclasses.replace(NO_SP, enforce_eager=True),
     ):
-        assert_started_everywhere(
-            run_stages(pool, NO_SP, last), "their hand-offs still agree"
-        )
+        assert_started_everywhere(run_stages(pool, NO_SP, last))
 
 
 @topologies((2, 2))
@@ -367,7 +388,8 @@ def test_a_later_stage_that_pads_only_a_single_token_is_refused(pool):
         "batch_padding: a batch of 1 tokens (a uniform decode of 1 per "
         "request) is dispatched as 1 tokens on stage 0, which sends 1 rows, "
         "and as 2 on stage 1, which expects at least 2",
-        "cudagraph_capture_sizes: stage 0=[1, 2, 4, 8], stage 1=[2, 4, 8]",
+        "stage 0: FULL_DECODE_ONLY, sizes [1, 2, 4, 8], max_num_seqs 128; "
+        "stage 1: FULL_DECODE_ONLY, sizes [2, 4, 8], max_num_seqs 128",
     )
 
 
@@ -455,7 +477,9 @@ def test_with_sp_a_stage_whose_graphs_hold_fewer_requests_is_refused(pool):
         "batch_padding: a batch of 9 tokens (with a prefill, 8 requests) is "
         "dispatched as 16 tokens on stage 0, which sends 8 rows, and as 9 on "
         "stage 1, which expects 5",
-        "max_num_seqs: stage 0=8, stage 1=7",
+        "stage 0: FULL, sizes [1, 2, 4, 8, 16], max_num_seqs 8; "
+        "stage 1: FULL, sizes [1, 2, 4, ",
+        "max_num_seqs 7)",
         "--max-num-seqs",
     )
     assert_started_everywhere(
@@ -463,8 +487,28 @@ def test_with_sp_a_stage_whose_graphs_hold_fewer_requests_is_refused(pool):
             pool,
             dataclasses.replace(full, max_num_seqs=7),
             dataclasses.replace(full, max_num_seqs=8),
+        )
+    )
+
+
+@topologies((2, 2))
+def test_with_sp_one_request_past_the_smaller_max_num_seqs_is_compared(pool):
+    """--max-num-seqs 8 on stage 0 and 3 on stage 1, graphs up to 8 tokens:
+    5 tokens from 4 requests pad to 8 on stage 0 (4 shard rows) and run as
+    they come on stage 1 (3 rows). Only request counts past the smaller
+    limit and below stage 0's show it: 3 and 8 requests pad alike."""
+    full = dataclasses.replace(
+        SP, runner="v2", cudagraph_mode="FULL", capture_sizes=(1, 2, 4, 8)
+    )
+    assert_refused_everywhere(
+        run_stages(
+            pool,
+            dataclasses.replace(full, max_num_seqs=8),
+            dataclasses.replace(full, max_num_seqs=3),
         ),
-        "max_num_seqs: stage 0=7, stage 1=8",
+        "batch_padding: a batch of 5 tokens (with a prefill, 4 requests) is "
+        "dispatched as 8 tokens on stage 0, which sends 4 rows, and as 5 on "
+        "stage 1, which expects 3",
     )
 
 
@@ -480,8 +524,7 @@ def test_batches_the_engine_never_schedules_are_not_compared(pool):
             pool,
             dataclasses.replace(v2, max_num_seqs=8),
             dataclasses.replace(v2, max_num_seqs=16),
-        ),
-        "max_num_seqs: stage 0=8, stage 1=16",
+        )
     )
     assert_started_everywhere(
         run_stages(
@@ -490,8 +533,7 @@ def test_batches_the_engine_never_schedules_are_not_compared(pool):
                 v2, capture_sizes=(1, 2, 4, 8), max_num_batched_tokens=8
             ),
             v2,
-        ),
-        "max_num_batched_tokens: stage 0=8, stage 1=127",
+        )
     )
     # Beyond the scheduler's limits nothing is left out: 9 requests arrive.
     assert_refused_everywhere(
@@ -558,8 +600,7 @@ def test_a_runner_without_graph_dispatch_warms_up_at_one_token_per_decode(pool):
                 pool,
                 dataclasses.replace(jit, runner="none"),
                 dataclasses.replace(jit, runner="v2", enforce_eager=True),
-            ),
-            "differ in cudagraph_mode",
+            )
         )
 
 
@@ -599,10 +640,7 @@ def test_without_sp_other_backends_start_and_are_shown_on_every_stage(pool):
         dataclasses.replace(NO_SP, moe_backend="auto"),
         dataclasses.replace(NO_SP, moe_backend="flashinfer_cutlass"),
     ]
-    assert_started_everywhere(
-        run_stages(pool, *flags),
-        "moe_backend: stage 0=auto, stage 1=flashinfer_cutlass",
-    )
+    assert_started_everywhere(run_stages(pool, *flags))
 
 
 # Where SP is on, what decides the rows.
@@ -628,8 +666,7 @@ def test_with_sp_a_lowered_mode_that_pads_every_batch_alike_starts(pool):
                 pool,
                 dataclasses.replace(first, runner=runner),
                 dataclasses.replace(last, runner=runner),
-            ),
-            "cudagraph_mode: stage 0=FULL_AND_PIECEWISE, stage 1=PIECEWISE",
+            )
         )
 
 
@@ -648,15 +685,15 @@ def test_with_sp_stages_that_shard_a_batch_differently_are_refused(pool):
         for last, shown in [
             (
                 dataclasses.replace(first, cudagraph_mode="NONE"),
-                "cudagraph_mode: stage 0=FULL_DECODE_ONLY, stage 1=NONE",
+                "stage 1: NONE, sizes [1, 2, 4, 8]",
             ),
             (
                 dataclasses.replace(first, capture_sizes=(1, 2, 4)),
-                "cudagraph_capture_sizes: stage 0=[1, 2, 4, 8], stage 1=[1, 2, 4]",
+                "stage 1: FULL_DECODE_ONLY, sizes [1, 2, 4],",
             ),
             (
                 dataclasses.replace(first, enforce_eager=True),
-                "enforce_eager: stage 0=False, stage 1=True",
+                "stage 1: NONE, sizes [1, 2, 4, 8]",
             ),
         ]:
             assert_refused_everywhere(
@@ -680,17 +717,15 @@ def test_modes_are_compared_as_the_runners_resolved_them(pool):
             SP, runner=runner, cudagraph_mode="FULL_AND_PIECEWISE"
         )
         last = dataclasses.replace(first, resolved_mode="PIECEWISE")
-        assert_started_everywhere(
-            run_stages(pool, first, last),
-            "cudagraph_mode: stage 0=FULL_AND_PIECEWISE, stage 1=PIECEWISE",
-        )
+        assert_started_everywhere(run_stages(pool, first, last))
         first = dataclasses.replace(SP, runner=runner)
         last = dataclasses.replace(first, resolved_mode="NONE")
         assert_refused_everywhere(
             run_stages(pool, first, last),
             "batch_padding: a batch of 5 tokens (a uniform decode of 1 per "
             "request) is dispatched as 8 tokens on stage 0",
-            "cudagraph_mode: stage 0=FULL_DECODE_ONLY, stage 1=NONE",
+            "stage 0: FULL_DECODE_ONLY, sizes [1, 2, 4, 8], max_num_seqs 128; "
+            "stage 1: NONE, sizes [1, 2, 4, 8]",
             "If the flags already match, a stage's attention backends",
         )
 
@@ -703,7 +738,6 @@ def test_a_stage_with_another_moe_backend_fails_on_every_rank(pool):
         "sequence_parallel: stage 0=True, stage 1=False",
         "all_gather_tensors: stage 0={'hidden_states': False, 'residual': False}, "
         "stage 1={}",
-        "moe_backend: stage 0=deep_gemm_mega_moe, stage 1=auto",
         "Start every node with the same --kernel-config, "
         "--enable-expert-parallel, --tensor-parallel-size.",
     )
@@ -720,7 +754,6 @@ def test_a_stage_with_other_aux_layers_fails_on_every_rank(pool):
     errors = assert_refused_everywhere(
         run_stages(pool, v2, other),
         "aux_hidden_state_slots: stage 0 sends 2, stage 1 expects 1",
-        "aux_hidden_state_layers: stage 0=(0, 2, 3), stage 1=(0, 3)",
         "--speculative-config (eagle_aux_hidden_state_layer_ids), "
         "VLLM_PP_LAYER_PARTITION.",
     )
@@ -743,11 +776,10 @@ def test_aux_states_the_transport_would_take_for_replicas_are_refused(pool):
     assert errors == [
         "Pipeline stages would hand aux hidden states over scrambled: "
         f"stage 1: {keys}; stage 2: {keys} cross a stage boundary as TP "
-        "replicas (a 1/TP slice per rank, all-gathered on the receiver) while "
+        "replicas while "
         "the hidden states are sequence-parallel shards. The model's "
-        "get_pp_intermediate_tensor_all_gather_overrides() must map each aux "
-        "key that crosses a stage to False, and be asked after the aux layers "
-        "are set."
+        "get_pp_intermediate_tensor_all_gather_overrides() must map them to "
+        "False once the aux layers are set."
     ] * (3 * pool.tp), errors
     assert_started_everywhere(run_stages(pool, v2, v2, v2))
     # Without SP every key is a replica: nothing to refuse.
@@ -819,17 +851,20 @@ def test_stages_that_would_warm_up_differently_are_refused(pool, base):
     for other, shown in [
         (
             dataclasses.replace(v2, enable_jit_warmup=False),
-            ["'enable_jit_warmup': False"],
+            # 63 requests of 2 tokens on 0.34.0 (its budget's cap), 128 on 0.33.0.
+            (
+                "warm_up: stage 0 runs step 1, requests per (tokens, drafts) {(2, 0): ",
+                "stage 1 finished after 0 steps; enable_jit_warmup: stage 0=True, "
+                "stage 1=False",
+            ),
         ),
         (
             dataclasses.replace(v2, num_speculative_tokens=1),
-            ["'speculative_decoding': True", "'num_speculative_tokens': 1"],
+            ("num_speculative_tokens: stage 0=0, stage 1=1",),
         ),
     ]:
         assert_refused_everywhere(
             run_stages(pool, v2, other),
-            "warm_up: stage 0={'enable_jit_warmup': True, ",
-            "'speculative_decoding': False",
             *shown,
             "--kernel-config (enable_jit_warmup), ",
             "--speculative-config",
@@ -837,16 +872,15 @@ def test_stages_that_would_warm_up_differently_are_refused(pool, base):
     # Stage 0 runs none: its steps (none) are compared as any others.
     assert_refused_everywhere(
         run_stages(pool, dataclasses.replace(v2, enable_jit_warmup=False), v2),
-        "warm_up: stage 0={'enable_jit_warmup': False, ",
-        "stage 1={'enable_jit_warmup': True, ",
+        "warm_up: stage 0 finished after 0 steps, stage 1 runs step 1",
+        "enable_jit_warmup: stage 0=False, stage 1=True",
         "--kernel-config (enable_jit_warmup)",
     )
     # Without the JIT warm-up (and, on 0.34.0, the extensible KV cache) no
     # stage runs warm-up steps: what would size them may differ.
     quiet = dataclasses.replace(v2, enable_jit_warmup=False)
     assert_started_everywhere(
-        run_stages(pool, quiet, dataclasses.replace(quiet, max_num_batched_tokens=255)),
-        "max_num_batched_tokens: stage 0=",
+        run_stages(pool, quiet, dataclasses.replace(quiet, max_num_batched_tokens=255))
     )
     if HAS_LEGACY_RUNNER:  # the legacy runner runs no JIT warm-up
         legacy = dataclasses.replace(base, runner="legacy", enable_jit_warmup=True)
@@ -872,24 +906,26 @@ def test_stages_whose_extensible_kv_cache_warms_up_differently_are_refused(pool,
     for other, shown, option in [
         (
             dataclasses.replace(kv, enable_extensible_kv_cache=False),
-            "'enable_extensible_kv_cache': False",
+            # Refused earlier by the announcement (test_pp_stage_announcement);
+            # the steps also differ.
+            "warm_up: stage 0 runs step 1",
             "--enable-extensible-kv-cache",
         ),
         (
             dataclasses.replace(kv, max_num_batched_tokens=255),
-            "'max_num_batched_tokens': 255",
+            "max_num_batched_tokens: stage 0=",
             "--max-num-batched-tokens",
         ),
         (
             dataclasses.replace(kv, max_model_len=64),
-            "'max_model_len': 64",
+            "max_model_len: stage 0=",
             "--max-model-len",
         ),
         # Above the budget: MLA's context-prefill step splits its workspace
         # into requests of the model length.
         (
             dataclasses.replace(kv, max_model_len=512),
-            "'max_model_len': 512",
+            "max_model_len: stage 0=",
             "--max-model-len",
         ),
     ]:
@@ -899,14 +935,14 @@ def test_stages_whose_extensible_kv_cache_warms_up_differently_are_refused(pool,
     short = dataclasses.replace(kv, max_model_len=64)
     assert_refused_everywhere(
         run_stages(pool, short, dataclasses.replace(short, max_logprobs=0)),
-        "'max_logprobs': 0",
+        "max_logprobs: stage 0=",
         "--max-logprobs",
     )
     # The JIT warm-up alone: its number of requests is capped by the budget.
     jit = dataclasses.replace(base, runner="v2", enable_jit_warmup=True)
     assert_refused_everywhere(
         run_stages(pool, jit, dataclasses.replace(jit, max_num_batched_tokens=255)),
-        "'max_num_batched_tokens': 255",
+        "max_num_batched_tokens: stage 0=",
         "--max-num-batched-tokens",
     )
 
@@ -959,25 +995,19 @@ def test_stages_whose_warm_up_steps_match_start_however_their_inputs_differ(pool
     jit = dataclasses.replace(base, runner="v2", enable_jit_warmup=True)
     few = dataclasses.replace(jit, max_num_seqs=8)
     kv = dataclasses.replace(base, runner="v2", enable_extensible_kv_cache=True)
-    for stages, shown in (
-        ((jit, dataclasses.replace(jit, max_num_seqs=256)), ["max_num_seqs"]),
+    for stages in (
+        (jit, dataclasses.replace(jit, max_num_seqs=256)),
+        (few, dataclasses.replace(few, max_num_batched_tokens=255)),
         (
-            (few, dataclasses.replace(few, max_num_batched_tokens=255)),
-            ["max_num_batched_tokens"],
-        ),
-        (
-            (
-                dataclasses.replace(kv, max_model_len=200),
-                dataclasses.replace(kv, max_model_len=512),
-            ),
-            [],
+            dataclasses.replace(kv, max_model_len=200),
+            dataclasses.replace(kv, max_model_len=512),
         ),
     ):
-        assert_started_everywhere(run_stages(pool, *stages), *shown)
+        assert_started_everywhere(run_stages(pool, *stages))
     # The same options where they change the steps: refused.
     assert_refused_everywhere(
         run_stages(pool, few, dataclasses.replace(few, max_num_seqs=9)),
-        "'max_num_seqs': 9",
+        "max_num_seqs: stage 0=",
         "--max-num-seqs",
     )
 
@@ -991,10 +1021,17 @@ def test_a_stage_that_cannot_answer_fails_every_stage_at_once(pool):
     until the gloo timeout."""
     results = run_stages(pool, SP, dataclasses.replace(SP, broken=True))
     message = (
+        "Pipeline stages could not compare their padding: stage 1: "
+        "RuntimeError: planted: this stage cannot answer"
+    )
+    assert [error for error, _ in results] == [message] * pool.world, results
+    # Its settings, before kernel warm-up: the same, through the first round;
+    # the failing stage raises from its own error, its traceback kept.
+    results = run_stages(pool, SP, dataclasses.replace(SP, broken_settings=True))
+    message = (
         "Pipeline stages could not compare their hand-off settings: stage 1: "
         "RuntimeError: planted: this stage cannot answer"
     )
-    # The failing stage raises from its own error: its traceback is kept.
     cause = " [cause: RuntimeError('planted: this stage cannot answer')]"
     errors = [error for error, _ in results]
     assert errors == [message] * pool.tp + [message + cause] * pool.tp, errors
@@ -1009,14 +1046,15 @@ def test_a_runner_whose_padding_cannot_be_asked_starts_only_without_sp(pool):
         results = run_stages(
             pool, base, dataclasses.replace(base, foreign_dispatch=True)
         )
-        part = (
-            "Pipeline stages could not compare their hand-off settings: stage 1: "
-            "TypeError: "
-        )
+        part = "stage 1: TypeError: "
         if refused:
-            assert all(error and error.startswith(part) for error, _ in results), (
-                results
-            )
+            assert all(
+                error
+                and error.startswith(
+                    "Pipeline stages could not compare their padding: " + part
+                )
+                for error, _ in results
+            ), results
         else:
             assert_started_everywhere(results, part, "; batch padding not compared.")
 
@@ -1045,9 +1083,8 @@ def test_nodes_with_other_num_speculative_tokens_are_refused(pool):
     other = dataclasses.replace(MTP, num_speculative_tokens=1)
     assert_refused_everywhere(
         run_stages(pool, MTP, other),
-        "warm_up: stage 0={'enable_jit_warmup': True, ",
-        "'speculative_decoding': True",
-        "'num_speculative_tokens': 3",
+        "warm_up: stage 0 runs step 1",
+        "num_speculative_tokens: stage 0=3, stage 1=1",
         "--speculative-config",
     )
     no_warm_up = dataclasses.replace(MTP, enable_jit_warmup=False)

@@ -49,7 +49,7 @@ def start_as_node(kinds: list) -> tuple[str | None, float]:
     from vllm.distributed.parallel_state import get_pp_group
 
     if kinds[get_pp_group().rank_in_group] == "pristine":
-        assert find_spec("vllm.v1.worker.pp_stage_announcement") is None
+        assert find_spec("vllm.v1.worker.pp_hand_off_agreement") is None
         return None, 0.0
     from tests.distributed.test_pp_stage_announcement import start_as
 

@@ -43,9 +43,8 @@ from tests.tooling.conftest import (
 from tests.tooling.upstream_edits import series
 
 DEFAULT, *OTHERS = BASES
-# What each release's runners do for the hand-off agreement: a file per base.
-RUNNER = "vllm/v1/worker/pp_hand_off_runner.py"
-# The agreement itself, shared by every base.
+# The PP stage check, which asks each release's runners how they pad: a file
+# per base.
 AGREEMENT = "vllm/v1/worker/pp_hand_off_agreement.py"
 # A file the 0.33.0 series patches that vLLM 0.34.0 removed (the legacy runner).
 GONE = "vllm/v1/worker/gpu_model_runner.py"
@@ -159,15 +158,15 @@ def test_apply_and_revert_are_byte_for_byte_on_each_release(
 def test_a_base_installs_its_own_overlay_file_in_place_of_the_shared_one(
     pristine_caches, tmp_path
 ):
-    """0.33.0 keeps its own runner module for the hand-off agreement (the
-    legacy runner's dispatcher); 0.34.0 gets the shared one; every other
-    overlay file, the agreement itself included, is the shared one on both."""
+    """0.33.0 keeps its own PP stage check (the legacy runner's dispatcher
+    and aux layers); 0.34.0 gets the shared one; every other overlay file is
+    the shared one on both."""
     need_bases(pristine_caches, *BASES)
     own = {
         version: PROJECT_DIR / "bases" / version / "vllm_overlay" for version in OTHERS
     }
     assert [f for f in own["0.33.0"].rglob("*.py") if "tests" not in f.parts] == [
-        own["0.33.0"] / RUNNER
+        own["0.33.0"] / AGREEMENT
     ]
     for version in BASES:
         target = tree_of(pristine_caches, version, tmp_path / version)
@@ -176,12 +175,10 @@ def test_a_base_installs_its_own_overlay_file_in_place_of_the_shared_one(
         for rel, src in composed_overlay(PROJECT_DIR, version).items():
             if rel.startswith("vllm/"):
                 assert (target / rel).read_bytes() == src.read_bytes(), rel
-        wanted = own.get(version, PROJECT_DIR / "vllm_overlay") / RUNNER
-        assert (target / RUNNER).read_bytes() == wanted.read_bytes(), version
-        shared = PROJECT_DIR / "vllm_overlay" / AGREEMENT
-        assert (target / AGREEMENT).read_bytes() == shared.read_bytes(), version
-    shared = (PROJECT_DIR / "vllm_overlay" / RUNNER).read_bytes()
-    assert (own["0.33.0"] / RUNNER).read_bytes() != shared
+        wanted = own.get(version, PROJECT_DIR / "vllm_overlay") / AGREEMENT
+        assert (target / AGREEMENT).read_bytes() == wanted.read_bytes(), version
+    shared = (PROJECT_DIR / "vllm_overlay" / AGREEMENT).read_bytes()
+    assert (own["0.33.0"] / AGREEMENT).read_bytes() != shared
 
 
 def test_a_base_keeps_only_the_overlay_files_that_differ():

@@ -37,6 +37,11 @@ def declared() -> configparser.ConfigParser:
     return config
 
 
+def upstream() -> list[str]:
+    """The pull requests, in order; not the patch set's own part."""
+    return [key for key in declared().sections() if key != "not-upstream"]
+
+
 def values(section: configparser.SectionProxy, key: str) -> list[str]:
     return section.get(key, "").split()
 
@@ -72,11 +77,18 @@ def test_pr_diffs_apply_in_order_and_add_up_to_the_series(
     repo.mkdir()
     git(["init", "-q", "--template="], repo)
     copy_files(pristine_cache, repo, series_files(SERIES))
-    stems = [f"{n:02d}-{key}" for n, key in enumerate(declared().sections(), 1)]
+    stems = [f"{n:02d}-{key}" for n, key in enumerate(upstream(), 1)]
     assert sorted(p.stem for p in pulls.glob("*.diff")) == stems
     for stem in stems:
         proc = git(["apply", str(pulls / f"{stem}.diff")], repo, check=False)
         assert proc.returncode == 0, f"{stem}: {proc.stderr}"
+    # The patch set's own part, which no pull request carries, on top.
+    own = declared()["not-upstream"]
+    for name in values(own, "patches"):
+        proc = git(["apply", str(SERIES / name)], repo, check=False)
+        assert proc.returncode == 0, f"{name}: {proc.stderr}"
+    for rel in values(own, "overlay"):
+        (repo / rel).write_bytes(composed_overlay(PROJECT_DIR)[rel].read_bytes())
     lines = (SERIES / "patched.sha256").read_text().splitlines()
     for line in (ln for ln in lines if ln[:1] != "#"):
         digest, rel = line.split("  ", 1)
@@ -88,7 +100,7 @@ def test_pr_diffs_apply_in_order_and_add_up_to_the_series(
 
 
 def test_each_diff_holds_exactly_its_declared_patches_and_files(pulls):
-    for number, key in enumerate(declared().sections(), 1):
+    for number, key in enumerate(upstream(), 1):
         section = declared()[key]
         diff = (pulls / f"{number:02d}-{key}.diff").read_text()
         files = set(re.findall(r"^diff --git a/\S+ b/(\S+)$", diff, re.M))
@@ -103,8 +115,42 @@ def test_each_diff_holds_exactly_its_declared_patches_and_files(pulls):
         assert files == patched | set(values(section, "overlay")), key
 
 
+# What only this repository knows: its name, its journal, its make targets,
+# its paths and its revision header.
+REPOSITORY_WORDS = re.compile(
+    r"k3.sppp|journal|\bmake (apply|status|test|lint|pr-diff|comm-report)\b"
+    r"|results/|apply\.py|\brevision\b",
+    re.I,
+)
+
+
+def test_no_word_of_this_repository_in_the_added_lines(pulls):
+    """vLLM's reviewers see vLLM's code: what only the patch set needs (the
+    series revision in the PP stage announcement) lives in its own patch and
+    overlay file, declared `not-upstream`, behind ``stage_build``."""
+    for diff in sorted(pulls.glob("*.diff")):
+        added = [
+            line
+            for line in diff.read_text().splitlines()
+            if line.startswith("+") and not line.startswith("+++")
+        ]
+        assert added, diff.name
+        found = [line for line in added if REPOSITORY_WORDS.search(line)]
+        assert not found, (diff.name, found[:5])
+        # The header before the diff names no revision of the series either.
+        head = diff.read_text().split("diff --git", 1)[0]
+        assert not REPOSITORY_WORDS.search(head), (diff.name, head)
+
+
+def test_the_patch_set_keeps_its_revision_behind_the_seam():
+    own = declared()["not-upstream"]
+    assert values(own, "overlay") == ["vllm/v1/worker/k3_sppp_revision.py"]
+    for name in values(own, "patches"):
+        assert "Forwarded: not-needed" in (SERIES / name).read_text(), name
+
+
 def test_description_is_vllms_template_from_the_patch_headers(pulls):
-    for number, key in enumerate(declared().sections(), 1):
+    for number, key in enumerate(upstream(), 1):
         section = declared()[key]
         text = (pulls / f"{number:02d}-{key}.md").read_text()
         assert text.startswith(f"# {section['title']}\n")

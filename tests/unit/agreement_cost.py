@@ -2,9 +2,9 @@
 """What the start-up agreement's enumeration costs on vLLM 0.34.0.
 
 Each PP stage lists every batch its runner can dispatch up to the widest CUDA
-graph (``batch_shapes``) and asks its graph manager, before capture, how it
-pads each (``hand_off_rows`` through ``RunnerPadding``, which asks
-``CudaGraphManager.find_candidate``). This builds a real 0.34.0
+graph (``batch_shapes``) and asks its graph manager how it
+pads each once graphs are captured (``PPStageCheck``, which asks
+``CudaGraphManager.dispatch``). This builds a real 0.34.0
 ``CudaGraphManager`` on the CPU with the graph sizes vLLM resolves on an
 SM100 GPU by default (``VllmConfig._split_cudagraph_capture_sizes`` with the
 device family answered as 100: prefill graphs up to 8192 tokens, decode
@@ -90,6 +90,31 @@ def sm100_manager(
     return config, manager
 
 
+def stage_check(config, manager):
+    """The stage's ``PPStageCheck`` over this manager, built as the worker
+    builds it, its stage round answered by itself (a middle stage of two)."""
+    from unittest import mock
+
+    import torch
+
+    from vllm.v1.worker import pp_hand_off_agreement as agreement
+
+    group = types.SimpleNamespace(world_size=2, is_first_rank=False, is_last_rank=False)
+    if config.model_config is None:  # what the warm-up options read of it
+        model_config = types.SimpleNamespace(max_model_len=0, max_logprobs=0)
+        object.__setattr__(config, "model_config", model_config)
+    with (
+        mock.patch.object(agreement, "get_pp_group", lambda: group),
+        mock.patch.object(agreement, "gather_from_stages", lambda f: [f(), f()]),
+    ):
+        return agreement.PPStageCheck(
+            config,
+            torch.nn.Module(),
+            types.SimpleNamespace(cudagraph_manager=manager),
+            None,
+        )
+
+
 def torch_cpu():
     import torch
 
@@ -102,12 +127,12 @@ def measure(
     max_num_batched_tokens: int,
     repeat: int,
 ) -> dict[str, float | int]:
-    from vllm.v1.worker.pp_hand_off_agreement import hand_off_rows
-    from vllm.v1.worker.pp_hand_off_runner import RunnerPadding
-    from vllm.v1.worker.pp_hand_off_shapes import batch_shapes
+    from vllm.model_executor.models.interfaces import get_pp_num_rows
+    from vllm.v1.worker.pp_hand_off_agreement import batch_shapes
 
     config, manager = sm100_manager(spec, max_num_seqs, max_num_batched_tokens)
-    padding = RunnerPadding(config, types.SimpleNamespace(cudagraph_manager=manager))
+    padding = stage_check(config, manager)
+    manager._graphs_captured = True  # the check asks dispatch once captured
     model = ShardedModel()
     shapes_s = rows_s = float("inf")
     first: tuple[float, float] | None = None
@@ -115,14 +140,17 @@ def measure(
         start = time.perf_counter()
         shapes = batch_shapes([padding.bounds])
         middle = time.perf_counter()
-        rows = hand_off_rows(model, padding, shapes)
+        rows = [
+            (tokens, get_pp_num_rows(model, tokens))
+            for tokens in map(padding.padded_num_tokens, shapes)
+        ]
         end = time.perf_counter()
         first = first or (middle - start, end - middle)
         shapes_s = min(shapes_s, middle - start)
         rows_s = min(rows_s, end - middle)
     return {
-        "max_cudagraph_capture_size": padding.bounds.max_num_tokens,
-        "decode_query_len": padding.decode_query_len,
+        "max_cudagraph_capture_size": padding.bounds["max_num_tokens"],
+        "decode_query_len": padding.bounds["max_query_len"],
         "prefill_graphs": len(
             config.compilation_config.prefill_cudagraph_capture_token_sizes
         ),

@@ -1,9 +1,12 @@
 # SPDX-License-Identifier: Apache-2.0
-"""What a stage announces: the revision the installed tree knows without its
-bytes depending on it, and a tolerant reading of other announcements."""
+"""What a stage announces: upstream vLLM's version and build
+(``stage_build``); with the series applied also the revision the installed
+tree knows without its bytes depending on it (``k3_sppp_revision``, the
+patch set's filler of that seam)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -13,13 +16,8 @@ import pytest
 
 import vllm
 from tests.sppp_testbed.pristine import installed_vllm_root
-from vllm.v1.worker import pp_stage_announcement
-from vllm.v1.worker.pp_stage_announcement import (
-    DEFAULT_TIMEOUT_S,
-    TIMEOUT_ENV,
-    announcement_timeout,
-    series_revision,
-)
+from vllm.v1.worker import k3_sppp_revision, pp_hand_off_agreement
+from vllm.v1.worker.k3_sppp_revision import series_revision
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -56,26 +54,20 @@ def test_a_tree_without_an_applied_journal_announces_unknown(
     if journal is not None:
         (tmp_path / ".k3_sppp").mkdir()
         (tmp_path / ".k3_sppp" / "journal.json").write_text(journal)
-    monkeypatch.setattr(vllm, "__file__", str(tmp_path / "vllm" / "__init__.py"))
+    monkeypatch.setattr(
+        k3_sppp_revision, "JOURNAL", tmp_path / ".k3_sppp" / "journal.json"
+    )
     assert series_revision() == "unknown"
 
 
-def test_the_bound_is_settable_and_defaults_to_two_minutes(monkeypatch):
-    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
-    assert announcement_timeout() == DEFAULT_TIMEOUT_S == 120.0
-    monkeypatch.setenv(TIMEOUT_ENV, "7.5")
-    assert announcement_timeout() == 7.5
-    monkeypatch.setenv(TIMEOUT_ENV, "soon")
-    with pytest.raises(ValueError, match=TIMEOUT_ENV):
-        announcement_timeout()
+def test_the_series_fills_the_seam_upstream_fills_with_vllms_build():
+    """Upstream, ``stage_build`` names vLLM's version and commit; the series
+    (imported by the patched gpu_worker) adds its revision and where to look."""
+    importlib.import_module("vllm.v1.worker.gpu_worker")  # imports the filler
 
-
-@pytest.mark.parametrize("raw", [b"\xff\x00", b"[1, 2]", b"3"])
-def test_an_announcement_that_is_not_ours_reads_as_another_protocol(raw):
-    parsed = pp_stage_announcement._parse(raw)
-    assert str(parsed["protocol"]).startswith("unreadable"), parsed
-
-
-def test_an_unreadable_announcement_is_shown_by_its_first_40_bytes():
-    raw = b"\xff" + bytes(range(60))
-    assert pp_stage_announcement._parse(raw) == {"protocol": f"unreadable {raw[:40]!r}"}
+    upstream = k3_sppp_revision.vllm_build()
+    assert upstream.startswith(f"vLLM {vllm.__version__}"), upstream
+    assert "k3-sppp" not in upstream
+    assert pp_hand_off_agreement.stage_build() == (
+        f"{upstream}, k3-sppp revision {series_revision()} ({k3_sppp_revision.CHECK})"
+    )

@@ -1,99 +1,102 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""The GPU worker compares PP stages' hand-off settings before the first PP
-send or receive: the V2 kernel warm-up runs real PP steps through the
-worker's ``execute_model``, so a later check would come after the hang it is
-there to prevent. Memory and graph profiling (``profile_run``,
-``profile_cudagraph_memory``) run before it, but each stage alone: their
-dummy runs neither send nor receive."""
+"""Where the GPU worker checks its PP stages: their settings before kernel
+warm-up, which runs the first real PP steps through the worker's
+``execute_model``; each warm-up step as it runs; the padding of every batch
+once graphs are captured (``dispatch`` pads nothing before). Memory and graph
+profiling run earlier, each stage alone: their dummy runs neither send nor
+receive."""
 
-import contextlib
 import types
 
 import pytest
 
-from vllm.model_executor.model_loader.weight_cache.utils import ExternalWeightCharges
-from vllm.v1.worker import gpu_worker
+from vllm.v1.worker import gpu_worker, pp_hand_off_agreement
+from vllm.v1.worker.pp_hand_off_agreement import BatchShape, batch_shapes
 
 
-class Refused(Exception):
+class Finished(Exception):
     pass
 
 
-def test_hand_off_agreement_is_checked_before_the_first_pp_send_or_recv(monkeypatch):
+def test_stages_are_checked_around_warm_up_and_capture(monkeypatch):
     calls: list[str] = []
 
-    def check(vllm_config, model, model_runner, all_gather_tensors):
-        calls.append(
-            f"check({vllm_config}, {model}, {model_runner.name}, {all_gather_tensors})"
-        )
-        raise Refused
+    class Check:
+        def __init__(self, vllm_config, model, model_runner, all_gather_tensors):
+            calls.append(f"check({model}, {model_runner.name}, {all_gather_tensors})")
+
+        def warm_up(self, execute_model):
+            return lambda output: calls.append(f"compared {output}")
+
+        def finish(self):
+            calls.append("finish")
+            raise Finished
 
     def record(name):
         return lambda *args, **kwargs: calls.append(name)
 
-    monkeypatch.setattr(gpu_worker, "check_pp_hand_off_agreement", check)
+    def warm_up(name):
+        return lambda runner, execute_model, sample_tokens: execute_model(name)
+
+    monkeypatch.setattr(gpu_worker, "PPStageCheck", Check)
     monkeypatch.setattr(gpu_worker, "kernel_warmup", record("kernel_warmup"))
-    monkeypatch.setattr(gpu_worker, "warmup_kernels", record("warmup_kernels"))
+    monkeypatch.setattr(gpu_worker, "warmup_kernels", warm_up("warmup_kernels"))
     runner = types.SimpleNamespace(
         name="runner",
         _dummy_run=record("_dummy_run"),
         capture_model=record("capture_model"),
         get_model=lambda: "model",
+        maybe_remove_all_loras=lambda lora_config: None,
+        lora_config=None,
+    )
+    config = types.SimpleNamespace(
+        compilation_config=types.SimpleNamespace(mode=None),
+        kernel_config=types.SimpleNamespace(enable_jit_warmup=True),
     )
     worker = types.SimpleNamespace(
-        vllm_config="config",
+        vllm_config=config,
         model_runner=runner,
         get_model=lambda: "model",
+        execute_model=record("execute_model"),
+        sample_tokens=None,
         _pp_all_gather_tensors={"hidden_states": False},
+        cache_config=types.SimpleNamespace(enable_extensible_kv_cache=False),
+        model_config=types.SimpleNamespace(enforce_eager=False),
+        _get_cudagraph_capture_context=lambda: pytest.MonkeyPatch.context(),
     )
-    with pytest.raises(Refused):
+    with pytest.raises(Finished):
         gpu_worker.Worker._compile_or_warm_up_model(worker)
     # With the overrides the worker's own sends and receives use.
-    assert calls == ["check(config, model, runner, {'hidden_states': False})"]
+    assert calls == [
+        "check(model, runner, {'hidden_states': False})",
+        "kernel_warmup",
+        "compared warmup_kernels",
+        "capture_model",
+        "finish",
+    ]
 
 
-class DeclaresShards:
-    """A model whose PP hand-offs are TP shards (as Kimi K3 under SP)."""
+def bounds(max_num_reqs: int) -> dict:
+    return {
+        "max_num_tokens": 8,
+        "max_query_len": 1,
+        "lora_counts": (0,),
+        "max_num_reqs": max_num_reqs,
+        "max_num_batched_tokens": 64,
+    }
 
-    def get_pp_intermediate_tensor_all_gather_overrides(self) -> dict[str, bool]:
-        return {"hidden_states": False, "residual": False}
 
-    def get_pp_intermediate_tensor_num_rows(self, num_tokens: int) -> int:
-        return -(-num_tokens // 2)
+def test_batches_one_request_past_each_stages_limit_are_compared():
+    """A FULL graph holds at most its stage's --max-num-seqs requests: with
+    8 on stage 0 and 3 on stage 1, 5 tokens from 4 requests pad to 8 on
+    stage 0 and run as they come on stage 1, so that batch is compared."""
+    shapes = batch_shapes([bounds(8), bounds(3)])
+    assert BatchShape(5, 4) in shapes
+    # Stage 0's scheduler sends no more than its own limit.
+    assert all(shape.num_reqs <= 8 for shape in shapes)
+    assert not [s for s in batch_shapes([bounds(3), bounds(8)]) if s.num_reqs > 3]
 
 
-@pytest.mark.parametrize("model", [DeclaresShards(), object()])
-def test_load_model_keeps_the_models_transport_overrides(monkeypatch, model):
-    """The worker keeps, once the runner loaded the model, the overrides its
-    execute_model passes to every PP receive and send (None, the transport's
-    default, for a model that declares nothing). Model Runner V2 is the only
-    runner: load_model asks nothing of another (this worker has no
-    use_v2_model_runner to ask)."""
-    monkeypatch.setattr(gpu_worker, "set_current_vllm_config", contextlib.nullcontext)
-    monkeypatch.setattr(gpu_worker, "has_ec_transfer", lambda: False)
-    monkeypatch.setattr(gpu_worker, "set_torch_threads_for_runtime", lambda: None)
-    loaded = []
-    runner = types.SimpleNamespace(
-        load_model=lambda **kwargs: loaded.append(kwargs), get_model=lambda: model
-    )
-    worker = object.__new__(gpu_worker.Worker)
-    worker.vllm_config = types.SimpleNamespace(weight_transfer_config=None)
-    worker.model_runner = runner
-    worker._external_weight_charges = ExternalWeightCharges()
-    monkeypatch.setattr(
-        worker, "_maybe_get_memory_pool_context", lambda tag: contextlib.nullcontext()
-    )
-    monkeypatch.setattr(
-        worker, "_scoped_allocator_max_split", lambda **kw: contextlib.nullcontext()
-    )
-    assert worker._pp_all_gather_tensors is None  # before load_model
-    worker.load_model()
-    assert loaded == [{"load_dummy_weights": False}]
-    if isinstance(model, DeclaresShards):
-        assert worker._pp_all_gather_tensors == {
-            "hidden_states": False,
-            "residual": False,
-        }
-    else:
-        assert worker._pp_all_gather_tensors is None
+def test_a_stage_build_names_vllm():
+    assert pp_hand_off_agreement.stage_build().startswith("vLLM ")

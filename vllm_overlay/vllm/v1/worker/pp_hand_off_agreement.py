@@ -1,342 +1,380 @@
 # SPDX-License-Identifier: Apache-2.0
 # SPDX-FileCopyrightText: Copyright contributors to the vLLM project
-"""Pipeline stages must agree on what their hand-offs depend on.
+"""Each PP stage builds its own VllmConfig from its own command line. Stages
+that disagree on how a key travels (SP shards or TP replicas), on the aux
+states a boundary carries, on their warm-up steps or on the tokens they pad a
+batch to hang, mix rows or fail at the first step: this raises on every
+stage first, showing each stage's values and the options behind them."""
 
-Each stage builds its own ``VllmConfig`` from its own command line (a headless
-node is started by hand), and vLLM compares parallel settings across nodes
-only for data parallelism. Stages that disagree on the transport of a key, on
-the aux states that cross a boundary, on the warm-up steps they run, or on
-how many rows a batch's hand-off holds post transfers of other shapes than
-their neighbours: NCCL then hangs, mixes rows, or the runner fails at the
-first step. Before the first hand-off every stage gathers what the others
-would send and expect; what would break raises on every stage, showing each
-stage's values and the options behind them. Any other difference is logged on
-every stage and changes nothing: a model that keeps no stage output sequence
-parallel starts wherever it started before.
-"""
-
+import json
+import os
+import socket
+import sys
+import time
 from bisect import bisect_right
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from itertools import count, pairwise
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 
-from vllm.config import VllmConfig
 from vllm.distributed.parallel_state import get_pp_group
 from vllm.logger import init_logger
-from vllm.model_executor.models.interfaces import (
-    EagleModelMixin,
-    get_pp_num_rows,
-)
-from vllm.v1.worker.pp_hand_off_runner import (
-    RUNNER_OPTIONS,
-    RunnerPadding,
-    runner_settings,
-)
-from vllm.v1.worker.pp_hand_off_shapes import (
-    BatchShape,
-    aux_hidden_state_layers,
-    batch_shapes,
-)
+from vllm.model_executor.models.interfaces import EagleModelMixin, get_pp_num_rows
+from vllm.utils.math_utils import cdiv
+from vllm.v1.worker.gpu.cudagraph_utils import CudaGraphManager
 from vllm.v1.worker.pp_intermediate_tensors import accepts_hand_off
-from vllm.v1.worker.pp_stage_announcement import announce_and_wait
+from vllm.version import __version__
 
 logger = init_logger(__name__)
 
-# The command-line options behind each value, named in the error (the
-# runner's settings: RUNNER_OPTIONS).
-OPTIONS: dict[str, tuple[str, ...]] = {
-    "sequence_parallel": (
-        "--kernel-config",
-        "--enable-expert-parallel",
-        "--tensor-parallel-size",
-    ),
-    "all_gather_tensors": (
-        "--kernel-config",
-        "--enable-expert-parallel",
-        "--tensor-parallel-size",
-    ),
-    "aux_hidden_state_slots": (
-        "--speculative-config (eagle_aux_hidden_state_layer_ids)",
-        "VLLM_PP_LAYER_PARTITION",
-    ),
-    "batch_padding": (
-        "--compilation-config",
-        "--max-cudagraph-capture-size",
-        "--enforce-eager",
-        "--speculative-config (num_speculative_tokens)",
-    ),
-    "cudagraph_mode": ("--compilation-config",),
-    "cudagraph_capture_sizes": (
-        "--max-cudagraph-capture-size",
-        "--compilation-config",
-    ),
-    "enforce_eager": ("--enforce-eager",),
-    "max_num_seqs": ("--max-num-seqs",),
-    "max_num_batched_tokens": ("--max-num-batched-tokens",),
-    "moe_backend": ("--kernel-config",),
-    "enable_expert_parallel": ("--enable-expert-parallel",),
-    "aux_hidden_state_layers": (
-        "--speculative-config (eagle_aux_hidden_state_layer_ids)",
-    ),
-    **RUNNER_OPTIONS,
-}
-
-
-# Compared as they are: a difference breaks the hand-off.
-REFUSED = ("sequence_parallel", "all_gather_tensors")
-
-# Shown where they differ, never refused on their own: the hand-off depends on
-# them only through the rows each stage pads a batch to, which is compared
-# itself ("batch_padding"), or through the aux slots, compared per boundary;
-# each stage's EP group is its own.
-SHOWN = (
-    "cudagraph_mode",
-    "cudagraph_capture_sizes",
-    "enforce_eager",
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "moe_backend",
-    "enable_expert_parallel",
-    "aux_hidden_state_layers",
+TIMEOUT_ENV = "VLLM_PP_STAGE_ANNOUNCE_TIMEOUT"
+TRANSPORT = "--kernel-config, --enable-expert-parallel, --tensor-parallel-size"
+AUX = "--speculative-config (eagle_aux_hidden_state_layer_ids), VLLM_PP_LAYER_PARTITION"
+PADDING = (
+    "--compilation-config, --max-cudagraph-capture-size, --enforce-eager, "
+    "--max-num-seqs, --speculative-config (num_speculative_tokens). If the flags "
+    "already match, a stage's attention backends or drafter lowered the CUDA "
+    "graph mode it resolved: set a cudagraph_mode every stage supports"
+)
+WARM_UP = (
+    "--kernel-config (enable_jit_warmup), --enable-extensible-kv-cache, --speculative-"
+    "config, --max-num-batched-tokens, --max-num-seqs, --max-model-len, --max-logprobs"
 )
 
-
-# Equal flags can pad alike or not: a stage's attention backends, or the
-# drafter on the last stage, may lower the CUDA graph mode it resolves.
-CUDAGRAPH_MODE_HINT = (
-    " If the flags already match, a stage's attention backends or drafter "
-    "lowered the CUDA graph mode it resolved: set a cudagraph_mode every "
-    "stage supports."
-)
+_rounds = count()
 
 
-def pp_hand_off_settings(
-    vllm_config: VllmConfig,
-    model: nn.Module,
-    padding: RunnerPadding,
-    all_gather_tensors: dict[str, bool] | None,
-) -> dict[str, Any]:
-    """What decides the shapes and the transport of this stage's hand-offs;
-    ``all_gather_tensors`` is what the worker passes to every PP send and
-    receive."""
-    pp_group = get_pp_group()
-    overrides = all_gather_tensors or {}
-    layers, start, end = aux_hidden_state_layers(model)
-    aux_key = EagleModelMixin.AUX_HIDDEN_STATE_KEY
-    # A stage relays every aux state captured up to its last boundary and
-    # expects those captured up to its first.
-    received = 0 if pp_group.is_first_rank else bisect_right(layers, start)
-    sent = 0 if pp_group.is_last_rank else bisect_right(layers, end)
-    # A model keeps stage outputs sequence parallel exactly when it declares
-    # keys that are TP shards, not replicas.
-    sequence_parallel = any(not gather for gather in overrides.values())
-    crossing = (f"{aux_key}{slot}" for slot in range(max(received, sent)))
-    return {
-        "sequence_parallel": sequence_parallel,
-        # Aux slots are compared per boundary, below.
-        "all_gather_tensors": {
-            key: gather
-            for key, gather in overrides.items()
-            if not key.startswith(aux_key)
-        },
-        "aux_slots_received": received,
-        "aux_slots_sent": sent,
-        # Under SP an aux state is a shard like the hidden states; the
-        # transport's default would send a 1/TP slice of it and all-gather.
-        "aux_keys_replicated": [
-            key for key in crossing if sequence_parallel and overrides.get(key, True)
-        ],
-        "batch_shapes": padding.bounds,
-        "cudagraph_mode": str(padding.cudagraph_mode),
-        "cudagraph_capture_sizes": list(
-            vllm_config.compilation_config.cudagraph_capture_sizes or ()
-        ),
-        "enforce_eager": vllm_config.model_config.enforce_eager,
-        "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
-        "max_num_batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
-        "moe_backend": vllm_config.kernel_config.moe_backend,
-        "enable_expert_parallel": vllm_config.parallel_config.enable_expert_parallel,
-        **runner_settings(vllm_config, padding, layers),
-    }
+def stage_build() -> str:
+    """What every stage of a deployment must run alike."""
+    commit = getattr(sys.modules.get("vllm._version"), "__commit_id__", None)
+    return f"vLLM {__version__}" + (f" ({commit})" if commit else "")
 
 
-def hand_off_rows(
-    model: nn.Module, padding: RunnerPadding, shapes: list[BatchShape]
-) -> list[tuple[int, int | None]]:
-    """Per batch: the tokens this stage dispatches, and the rows the model
-    declares for them (``None``: replicas of every dispatched row)."""
-    declared: dict[int, int | None] = {}
-    rows = []
-    for shape in shapes:
-        num_tokens = padding.padded_num_tokens(shape)
-        if num_tokens not in declared:
-            declared[num_tokens] = get_pp_num_rows(model, num_tokens)
-        rows.append((num_tokens, declared[num_tokens]))
-    return rows
+def announce_pp_stages(settings: dict[str, Any], timeout: float | None = None) -> None:
+    """Announce this stage's build and ``settings`` through the c10d store,
+    which answers without the peers, and wait for every other stage's: a
+    stage without this check would leave the others in a collective for good."""
+    pp = get_pp_group()
+    if pp.world_size == 1:
+        return
+    timeout = timeout or float(os.environ.get(TIMEOUT_ENV) or 120)
+    store = dist.distributed_c10d._get_default_store()
+    key = f"pp_stage_announce/{'-'.join(map(str, pp.ranks))}/{next(_rounds)}/"
+    mine = {"build": stage_build(), "host": socket.gethostname(), **settings}
+    store.set(key + str(pp.rank_in_group), json.dumps(mine))
+    everyone = {pp.rank_in_group: mine}
+    deadline = time.monotonic() + timeout
+    while missing := [n for n in range(pp.world_size) if n not in everyone]:
+        if time.monotonic() > deadline:
+            raise RuntimeError(
+                f"PP stage(s) {missing} did not announce themselves within "
+                f"{timeout:.0f} s ({TIMEOUT_ENV}): they did not start, or run "
+                f"another vLLM build than this stage's {mine['build']}."
+            )
+        for n in missing:
+            if store.check([key + str(n)]):
+                raw = store.get(key + str(n))
+                try:
+                    everyone[n] = dict(json.loads(raw))
+                except (ValueError, TypeError):
+                    everyone[n] = {"build": f"unreadable {raw[:40]!r}"}
+        time.sleep(0.01)
+    stages = [everyone[n] for n in range(pp.world_size)]
+    if problems := differences(stages, list(settings) + ["build"]):
+        raise RuntimeError(
+            "PP stages run different builds or settings and would wait on each "
+            f"other in a collective ({'; '.join(problems)}). Start every node "
+            "with the same vLLM and options."
+        )
 
 
-@dataclass(frozen=True)
-class StageError:
-    """A stage that could not compute its part, sent in its place."""
+def differences(stages: list[dict[str, Any]], keys: list[str]) -> list[str]:
+    on = [
+        f"stage {n}" + (f" on {s['host']}" if "host" in s else "")
+        for n, s in enumerate(stages)
+    ]
+    return [
+        f"{key}: "
+        + ", ".join(f"{on[n]}={s.get(key, 'none')}" for n, s in enumerate(stages))
+        for key in keys
+        if any(s.get(key) != stages[0].get(key) for s in stages)
+    ]
 
-    message: str
 
-
-Answer = TypeVar("Answer")
-
-
-class StagesCouldNotAnswer(RuntimeError):
-    """Some stage could not compute its part; every stage raises it."""
-
-
-def gather_from_stages(compute: Callable[[], Answer]) -> list[Answer]:
-    """Every stage's answer. A stage whose own computation raises sends its
-    error instead, so every stage raises at once, none waits on the rest."""
-    pp_group = get_pp_group()
-    failure: Exception | None = None
+def gather_from_stages(compute: Callable[[], Any]) -> list[Any]:
+    """Every stage's answer; an error (a str) is sent instead, and every stage
+    raises at once."""
+    pp = get_pp_group()
+    failure = None
     try:
-        mine: Answer | StageError = compute()
+        mine = compute()
     except Exception as error:  # sent to the other stages, then raised
-        failure = error
-        mine = StageError(f"{type(error).__name__}: {error}")
-    everyone: list[Any] = [None] * pp_group.world_size
-    dist.all_gather_object(everyone, mine, group=pp_group.cpu_group)
-    failed = [(n, a) for n, a in enumerate(everyone) if isinstance(a, StageError)]
+        failure, mine = error, f"{type(error).__name__}: {error}"
+    everyone: list[Any] = [None] * pp.world_size
+    dist.all_gather_object(everyone, mine, group=pp.cpu_group)
+    failed = [f"stage {n}: {a}" for n, a in enumerate(everyone) if isinstance(a, str)]
     if failed:
-        raise StagesCouldNotAnswer(
+        raise RuntimeError(
             "Pipeline stages could not compare their hand-off settings: "
-            + "; ".join(f"stage {n}: {answer.message}" for n, answer in failed)
+            + "; ".join(failed)
         ) from failure
     return everyone
 
 
-def differences(everyone: list[dict[str, Any]], keys: tuple[str, ...]) -> list[str]:
-    return [
-        f"{key}: " + ", ".join(f"stage {n}={s[key]}" for n, s in enumerate(everyone))
-        for key in keys
-        if any(s[key] != everyone[0][key] for s in everyone)
-    ]
+@dataclass(frozen=True)
+class BatchShape:
+    """A batch the scheduler hands every stage alike."""
+
+    num_tokens: int
+    num_reqs: int
+    uniform_token_count: int | None = None
+    max_query_len: int | None = None  # None: a batch with a prefill
+    num_active_loras: int = 0
+
+    def __str__(self) -> str:
+        if self.uniform_token_count is not None:
+            kind = f"a uniform decode of {self.uniform_token_count} per request"
+        elif self.max_query_len is not None:
+            kind = f"decodes of up to {self.max_query_len} tokens"
+        else:
+            kind = "with a prefill"
+        fewest = cdiv(self.num_tokens, self.max_query_len or self.num_tokens)
+        if self.uniform_token_count is None and self.num_reqs > fewest:
+            kind += f", {self.num_reqs} requests"
+        loras = f", {self.num_active_loras} LoRA(s)" if self.num_active_loras else ""
+        return f"a batch of {self.num_tokens} tokens ({kind}{loras})"
 
 
-def aux_slot_problems(everyone: list[dict[str, Any]]) -> list[str]:
-    problems = []
-    for stage in range(len(everyone) - 1):
-        sent = everyone[stage]["aux_slots_sent"]
-        expected = everyone[stage + 1]["aux_slots_received"]
-        if sent != expected:
-            problems.append(
-                f"aux_hidden_state_slots: stage {stage} sends {sent}, "
-                f"stage {stage + 1} expects {expected}"
-            )
-    return problems
+def batch_shapes(bounds: list[dict[str, Any]]) -> list[BatchShape]:
+    """Every batch whose padding can differ between stages: as many tokens as
+    any stage's graphs pad and stage 0's scheduler sends (it runs on the
+    engine's node). A graph holds at most its stage's --max-num-seqs
+    requests and at least the batch's tokens, so the fewest requests a batch
+    can have and one past each stage's limit stand for every count."""
+    max_reqs, budget = bounds[0]["max_num_reqs"], bounds[0]["max_num_batched_tokens"]
+    max_tokens = min(max(b["max_num_tokens"] for b in bounds), budget)
+    max_query_len = max(b["max_query_len"] for b in bounds)
+    loras = sorted({n for b in bounds for n in b["lora_counts"]})
+    past_limits = sorted({b["max_num_reqs"] + 1 for b in bounds})
+
+    def counts(num_tokens: int, least: int) -> list[int]:
+        most = min(num_tokens, max_reqs)
+        return [n for n in (least, *past_limits) if least <= n <= most]
+
+    shapes = []
+    for num_tokens in range(1, max_tokens + 1):
+        for lora in loras:
+            for n in counts(num_tokens, 1):
+                shapes.append(BatchShape(num_tokens, n, None, None, lora))
+            for q in range(1, max_query_len + 1):
+                for n in counts(num_tokens, cdiv(num_tokens, q)):
+                    shapes.append(BatchShape(num_tokens, n, None, q, lora))
+                if num_tokens % q == 0 and num_tokens // q <= max_reqs:
+                    shapes.append(BatchShape(num_tokens, num_tokens // q, q, q, lora))
+    return shapes
 
 
-def aux_transport_problem(everyone: list[dict[str, Any]]) -> str | None:
-    """Sequence-parallel stages whose transport would take an aux state that
-    crosses a boundary for a TP replica: every rank would receive the same
-    rows, stitched from each rank's slice of its own shard."""
-    replicated = [
-        f"stage {n}: {', '.join(s['aux_keys_replicated'])}"
-        for n, s in enumerate(everyone)
-        if s["aux_keys_replicated"]
-    ]
-    if not replicated:
-        return None
-    return (
-        "Pipeline stages would hand aux hidden states over scrambled: "
-        f"{'; '.join(replicated)} cross a stage boundary as TP replicas (a 1/TP "
-        "slice per rank, all-gathered on the receiver) while the hidden states "
-        "are sequence-parallel shards. The model's "
-        "get_pp_intermediate_tensor_all_gather_overrides() must map each aux "
-        "key that crosses a stage to False, and be asked after the aux layers "
-        "are set."
-    )
-
-
-def warm_up_problems(everyone: list[dict[str, Any]]) -> list[str]:
-    """Warm-up steps that differ, shown by what decides them."""
-    steps = [s["warm_up_steps"] for s in everyone]
-    if all(step == steps[0] for step in steps):
-        return []
-    sizing = any(step and "kv_cache_sizing" in step for step in steps)
-    keys = ("warm_up", "kv_cache_sizing") if sizing else ("warm_up",)
-    return differences(everyone, keys) or differences(everyone, ("warm_up_steps",))
-
-
-def padding_problem(
-    shapes: list[BatchShape], rows: list[list[tuple[int, int | None]]]
-) -> str | None:
-    """The first batch one stage hands on in rows the next refuses: the
-    runner's own rule (``accepts_hand_off``), for every batch it dispatches."""
-    for i, shape in enumerate(shapes):
-        for stage in range(len(rows) - 1):
-            sent_tokens, declared = rows[stage][i]
-            sent = sent_tokens if declared is None else declared
-            num_tokens, expected = rows[stage + 1][i]
-            if not accepts_hand_off(sent, num_tokens, expected):
-                wants = f"at least {num_tokens}" if expected is None else expected
-                return (
-                    f"batch_padding: {shape} is dispatched as {sent_tokens} "
-                    f"tokens on stage {stage}, which sends {sent} rows, and as "
-                    f"{num_tokens} on stage {stage + 1}, which expects {wants}"
-                )
-    return None
-
-
-def check_pp_hand_off_agreement(
-    vllm_config: VllmConfig,
-    model: nn.Module,
-    model_runner: object,
-    all_gather_tensors: dict[str, bool] | None,
-) -> None:
-    """Raise on every stage unless all PP stages would hand off alike; log
-    the differences that cannot break a hand-off. ``all_gather_tensors`` is
-    what the worker passes to every PP send and receive."""
-    if get_pp_group().world_size == 1:
-        return
-    # A silent or foreign stage would leave the rounds below waiting.
-    announce_and_wait()
-    paddings: list[RunnerPadding] = []
-
-    def settings() -> dict[str, Any]:
-        paddings.append(RunnerPadding(vllm_config, model_runner))
-        return pp_hand_off_settings(vllm_config, model, paddings[0], all_gather_tensors)
-
-    everyone = gather_from_stages(settings)
-    if scrambled := aux_transport_problem(everyone):
-        raise RuntimeError(scrambled)
-    shapes = batch_shapes([s["batch_shapes"] for s in everyone])
-    sequence_parallel = any(s["sequence_parallel"] for s in everyone)
-    try:
-        rows = gather_from_stages(lambda: hand_off_rows(model, paddings[0], shapes))
-    except StagesCouldNotAnswer as error:
-        if sequence_parallel:
-            raise
-        # Without SP a runner whose padding cannot be asked (an out-of-tree
-        # graph manager) starts as it did before, when nothing was compared.
-        logger.warning("%s; batch padding not compared.", error)
-        rows = None
-
-    problems = differences(everyone, REFUSED) + aux_slot_problems(everyone)
-    problems += warm_up_problems(everyone)
-    if not problems and rows and (problem := padding_problem(shapes, rows)):
-        problems.append(problem)
-    shown = differences(everyone, SHOWN)
-    if not problems:
-        if shown:
-            logger.warning(
-                "Pipeline stages differ in %s; their hand-offs still agree.",
-                "; ".join(shown),
-            )
-        return
-    keys = [text.split(":", 1)[0] for text in problems + shown]
-    options = ", ".join(dict.fromkeys(name for key in keys for name in OPTIONS[key]))
-    hint = CUDAGRAPH_MODE_HINT if "batch_padding" in keys else ""
-    raise RuntimeError(
+def refusal(problems: list[str], options: str) -> RuntimeError:
+    return RuntimeError(
         "Pipeline stages disagree on their hand-off and would hang or mix rows "
-        f"at the first one ({'; '.join(problems + shown)}). Start every node "
-        f"with the same {options}.{hint}"
+        f"at the first one ({'; '.join(problems)}). Start every node with the "
+        f"same {options}."
     )
+
+
+class PPStageCheck:
+    """Built before the first PP step (kernel warm-up); ``warm_up`` wraps
+    execute_model for the warm-up steps; ``finish`` once graphs are captured."""
+
+    def __init__(
+        self,
+        vllm_config: Any,
+        model: nn.Module,
+        model_runner: object,
+        all_gather_tensors: dict[str, bool] | None,
+    ) -> None:
+        self.stages = get_pp_group().world_size
+        if self.stages == 1:
+            return
+        self.model = model
+        # How the runner pads a batch, as it resolved its CUDA graph mode
+        # (attention backends and a drafter may lower the requested one).
+        manager = getattr(model_runner, "cudagraph_manager", None)
+        self.manager = manager if isinstance(manager, CudaGraphManager) else None
+        compilation = vllm_config.compilation_config
+        mode = compilation.cudagraph_mode
+        query_len = 1 + vllm_config.num_speculative_tokens
+        if self.manager:
+            mode, query_len = self.manager.cudagraph_mode, self.manager.decode_query_len
+        lora_config, scheduler = vllm_config.lora_config, vllm_config.scheduler_config
+        graph_tokens = (compilation.max_cudagraph_capture_size or 0) if mode else 0
+        self.bounds = {
+            "max_num_tokens": graph_tokens,
+            "max_query_len": query_len,
+            "lora_counts": range(lora_config.max_loras + 1 if lora_config else 1),
+            "max_num_reqs": scheduler.max_num_seqs,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        }
+        self.graphs = (
+            f"{mode}, sizes {compilation.cudagraph_capture_sizes}, "
+            f"max_num_seqs {scheduler.max_num_seqs}"
+        )
+        model_config = vllm_config.model_config
+        self.warm_up_options = {
+            "enable_jit_warmup": vllm_config.kernel_config.enable_jit_warmup,
+            "num_speculative_tokens": vllm_config.num_speculative_tokens,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "max_num_seqs": scheduler.max_num_seqs,
+            "max_model_len": model_config.max_model_len,
+            "max_logprobs": model_config.max_logprobs,
+        }
+        self.steps = 0
+        everyone = gather_from_stages(lambda: self.settings(all_gather_tensors))
+        if problems := differences(
+            everyone, ["sequence_parallel", "all_gather_tensors"]
+        ):
+            raise refusal(problems, TRANSPORT)
+        if problems := [
+            f"aux_hidden_state_slots: stage {n} sends {a['aux_sent']}, stage "
+            f"{n + 1} expects {b['aux_received']}"
+            for n, (a, b) in enumerate(pairwise(everyone))
+            if a["aux_sent"] != b["aux_received"]
+        ]:
+            raise refusal(problems, AUX)
+        if scrambled := [
+            f"stage {n}: {', '.join(s['aux_replicated'])}"
+            for n, s in enumerate(everyone)
+            if s["aux_replicated"]
+        ]:
+            raise RuntimeError(
+                "Pipeline stages would hand aux hidden states over scrambled: "
+                f"{'; '.join(scrambled)} cross a stage boundary as TP replicas "
+                "while the hidden states are sequence-parallel shards. The model's "
+                "get_pp_intermediate_tensor_all_gather_overrides() must map them "
+                "to False once the aux layers are set."
+            )
+        self.sequence_parallel = everyone[0]["sequence_parallel"]
+        self.everyone = everyone
+        self.shapes = batch_shapes([s["bounds"] for s in everyone])
+
+    def settings(self, all_gather_tensors: dict[str, bool] | None) -> dict:
+        """How this stage's hand-offs travel (``all_gather_tensors``: what the
+        worker's PP sends and receives pass), and what bounds its padding."""
+        pp = get_pp_group()
+        overrides = all_gather_tensors or {}
+        layers, start, end = (), 0, 0
+        for module in self.model.modules():
+            if isinstance(module, EagleModelMixin):
+                relays = module.supports_aux_hidden_states_over_pp
+                layers = tuple(module.aux_hidden_state_layers) if relays else ()
+                start = module.start_layer
+                end = getattr(module, "end_layer", start)
+                break
+        aux_key = EagleModelMixin.AUX_HIDDEN_STATE_KEY
+        received = 0 if pp.is_first_rank else bisect_right(layers, start)
+        sent = 0 if pp.is_last_rank else bisect_right(layers, end)
+        # Shards exactly where the model declares keys that are not replicas.
+        sequence_parallel = not all(overrides.values())
+        crossing = [f"{aux_key}{slot}" for slot in range(max(received, sent))]
+        return {
+            "sequence_parallel": sequence_parallel,
+            "all_gather_tensors": {
+                k: v for k, v in overrides.items() if not k.startswith(aux_key)
+            },
+            "aux_received": received,
+            "aux_sent": sent,
+            "aux_replicated": [
+                k for k in crossing if sequence_parallel and overrides.get(k, True)
+            ],
+            "bounds": self.bounds,
+            "graphs": self.graphs,
+        }
+
+    def warm_up(self, execute_model: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``execute_model`` that compares each warm-up step with every
+        stage's before it runs: the steps, not the options that size them."""
+        if self.stages == 1:
+            return execute_model
+
+        def compared(scheduler_output: Any) -> Any:
+            spec = scheduler_output.scheduled_spec_decode_tokens
+            requests = Counter(
+                (n, len(spec.get(req_id, ())))
+                for req_id, n in scheduler_output.num_scheduled_tokens.items()
+            )
+            self.steps += 1
+            self._compare_warm_up(dict(sorted(requests.items())))
+            return execute_model(scheduler_output)
+
+        return compared
+
+    def _compare_warm_up(self, step: Any, rows: Any = None) -> list[dict]:
+        answer = {"step": (self.steps, step), "rows": rows}
+        everyone = gather_from_stages(lambda: answer)
+        if any(s["step"] != everyone[0]["step"] for s in everyone):
+            runs = [
+                f"stage {n} finished after {k} steps"
+                if what == "done"
+                else f"stage {n} runs step {k}, requests per (tokens, drafts) {what}"
+                for n, (k, what) in enumerate(s["step"] for s in everyone)
+            ]
+            options = gather_from_stages(lambda: self.warm_up_options)
+            raise refusal(
+                ["warm_up: " + ", ".join(runs)]
+                + differences(options, list(self.warm_up_options)),
+                WARM_UP,
+            )
+        return everyone
+
+    def finish(self) -> None:
+        """The end of warm-up; then, per batch the scheduler can send, the
+        tokens each stage pads it to and its model's rows for them."""
+        if self.stages == 1:
+            return
+        try:
+            rows = [
+                (tokens, get_pp_num_rows(self.model, tokens))
+                for tokens in map(self.padded_num_tokens, self.shapes)
+            ]
+        except Exception as error:  # shown by every stage
+            rows = f"{type(error).__name__}: {error}"
+        everyone = [s["rows"] for s in self._compare_warm_up("done", rows)]
+        if failed := [
+            f"stage {n}: {r}" for n, r in enumerate(everyone) if isinstance(r, str)
+        ]:
+            message = "; ".join(failed)
+            if self.sequence_parallel:
+                raise RuntimeError(
+                    f"Pipeline stages could not compare their padding: {message}"
+                )
+            logger.warning("%s; batch padding not compared.", message)
+            return
+        for i, shape in enumerate(self.shapes):
+            for n in range(self.stages - 1):
+                sent_tokens, declared = everyone[n][i]
+                sent = sent_tokens if declared is None else declared
+                tokens, expected = everyone[n + 1][i]
+                if accepts_hand_off(sent, tokens, expected):
+                    continue
+                wants = f"at least {tokens}" if expected is None else expected
+                graphs = [
+                    f"stage {m}: {self.everyone[m]['graphs']}" for m in (n, n + 1)
+                ]
+                problem = (
+                    f"batch_padding: {shape} is dispatched as {sent_tokens} tokens "
+                    f"on stage {n}, which sends {sent} rows, and as {tokens} on "
+                    f"stage {n + 1}, which expects {wants}"
+                )
+                raise refusal([problem, *graphs], PADDING)
+
+    def padded_num_tokens(self, s: BatchShape) -> int:
+        """The tokens a batch runs as once graphs are captured."""
+        if self.manager is None:
+            return s.num_tokens
+        loras, query_len = s.num_active_loras, s.max_query_len
+        args = (s.num_reqs, s.num_tokens, s.uniform_token_count, loras, query_len)
+        return self.manager.dispatch(*args).num_tokens

@@ -27,7 +27,7 @@ SEQUENCE_PARALLEL_PP_KEYS = ("hidden_states", "residual")
 # Largest per-rank shard of final and aux hidden states gathered as one packed
 # all-gather. Packing saves a launch per aux state but copies every state into
 # the packed buffer; on 2 x H200 over NVLink (TP2, bf16) the copy outweighs the
-# launches from about 41 MiB per rank (k3-sppp results/nccl/README.md).
+# launches from about 41 MiB per rank.
 PACKED_GATHER_MAX_BYTES = 40 * 1024 * 1024
 
 
