@@ -148,14 +148,20 @@ def serve(name: str) -> None:
     import vllm.entrypoints.openai.api_server
     import vllm.v1.engine.core
     import vllm.v1.executor.multiproc_executor  # noqa: F401
+    from tests.sppp_testbed.bases import HAS_LEGACY_RUNNER
 
     vllm.entrypoints.cli.benchmark.main._import_bench_subcommand_modules()
     # And what each server's processes import after the fork: the API server
     # Kimi K3's config and processor, every rank the tests' worker
     # (``--worker-cls``), its runner and the model modules below them (1.7
-    # CPU-s a rank, alone; ``tests/serving`` starts 26 ranks).
-    for module in ("vllm.models.kimi_k3", "tests.serving.v2_runner"):
-        importlib.import_module(module)
+    # CPU-s a rank, alone; ``tests/serving`` starts 26 ranks). Not on vLLM
+    # 0.33.0: there each rank rebinds Triton kernels before it imports the
+    # worker, scanning every module loaded by then
+    # (``triton_utils/dispatcher.py``, ``_rebind_kernels``), and fails on
+    # llvmlite's ``_lib_fn_wrapper``, which these imports bring in.
+    if not HAS_LEGACY_RUNNER:
+        for module in ("vllm.models.kimi_k3", "tests.serving.v2_runner"):
+            importlib.import_module(module)
     # Out of the collector's sight from here on: each fork (and its API
     # server, EngineCore and ranks) would otherwise walk all of it again in
     # every full collection (vLLM's ``DeviceMemoryProfiler`` runs two per
