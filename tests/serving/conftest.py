@@ -112,6 +112,14 @@ LAYOUTS = {
                 drafter="mtp",
                 alone=True,
             ),
+            "TP1xPP1 DSpark": Layout([], "python", None, drafter="dspark", alone=True),
+            "TP2xPP3 SP DSpark (MegaMoE, EP)": Layout(
+                [*TP2PP3, "--moe-backend", "deep_gemm_mega_moe"],
+                "python",
+                None,
+                drafter="dspark",
+                alone=True,
+            ),
         }
     ),
     # Stage 1 builds its model with another MoE backend, as a node started
@@ -134,10 +142,13 @@ SP_PP3 = "TP2xPP3 SP (MegaMoE, EP)"
 REFUSED = "TP2xPP2 SP, stage 1 triton"
 MTP_REFERENCE = "TP1xPP1 MTP"
 MTP_PP3 = "TP2xPP3 SP MTP (MegaMoE, EP)"
+DSPARK_REFERENCE = "TP1xPP1 DSpark"
+DSPARK_PP3 = "TP2xPP3 SP DSpark (MegaMoE, EP)"
 # Per drafter method, its reference layout and the TP2xPP3 SP layout.
 DRAFTER_LAYOUTS = {
     "eagle3": (EAGLE3_REFERENCE, SP_PP3),
     "mtp": (MTP_REFERENCE, MTP_PP3),
+    "dspark": (DSPARK_REFERENCE, DSPARK_PP3),
 }
 
 
@@ -156,10 +167,10 @@ def free_port() -> int:
 class Servers:
     """The servers of `tests/serving` by layout name, started on first use."""
 
-    def __init__(self, vllm: Path, root: Path, draft_dir, logs, wanted) -> None:
+    def __init__(self, vllm: Path, root: Path, drafts, logs, wanted) -> None:
         self.vllm, self.root, self.logs = vllm, root, logs
         self.model_dir = self.model_dir_of(None)
-        self.draft_dir = draft_dir
+        self.drafts = drafts
         self.wanted = wanted
         self.started: dict[str, Server] = {}
         self.startup: dict[str, float] = {}
@@ -190,7 +201,7 @@ class Servers:
                     env["VLLM_USE_RUST_FRONTEND"] = "1"
                 if layout.drafter:
                     env[ASYNC_SCHEDULING] = "1"
-                    draft = speculative_config(self.draft_dir, layout.drafter)
+                    draft = speculative_config(self.drafts, layout.drafter)
                     args += ["--speculative-config", draft, "--async-scheduling"]
                 log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
                 self.started[other] = Server(
@@ -258,7 +269,10 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
         pool = Servers(
             vllm,
             root,
-            k3_checkpoint.write_eagle3_draft(root / "tiny-k3-eagle3"),
+            {
+                "eagle3": k3_checkpoint.write_eagle3_draft(root / "tiny-k3-eagle3"),
+                "dspark": k3_checkpoint.write_dspark_draft(root / "tiny-k3-dspark"),
+            },
             root,
             wanted_layouts(request.session.items),
         )

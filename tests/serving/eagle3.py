@@ -63,16 +63,20 @@ DAMPING = 0.1
 
 
 # The drafters the servers deploy with Kimi K3, by ``--speculative-config``
-# method: EAGLE-3 (its draft checkpoint, ``draft_dir``) and Kimi K3's own MTP
-# layer (``KimiK3MTPModel``, built from the target's checkpoint).
-METHODS = ("eagle3", "mtp")
+# method: EAGLE-3 and Kimi K3's DSpark (each its draft checkpoint, in
+# ``drafts``) and Kimi K3's own MTP layer (``KimiK3MTPModel``, built from the
+# target's checkpoint).
+METHODS = ("eagle3", "mtp", "dspark")
 
 
-def speculative_config(draft_dir: Path, method: str = "eagle3") -> str:
-    """``--speculative-config`` for the drafter of ``method``."""
-    config = {"method": method, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
-    if method == "eagle3":
-        config["model"] = str(draft_dir)
+def speculative_config(drafts: dict[str, Path], method: str = "eagle3") -> str:
+    """``--speculative-config`` for the drafter of ``method``, as users pass
+    it (DSpark's block size is its number of speculative tokens)."""
+    config: dict[str, object] = {"method": method}
+    if method != "dspark":
+        config["num_speculative_tokens"] = NUM_SPECULATIVE_TOKENS
+    if method in drafts:
+        config["model"] = str(drafts[method])
     elif method != "mtp":
         raise ValueError(f"no test drafter for method {method!r}")
     return json.dumps(config)

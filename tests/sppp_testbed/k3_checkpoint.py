@@ -213,7 +213,8 @@ def write_dspark_draft(path: Path) -> Path:
                 "qk_nope_head_dim": 16,
                 "qk_rope_head_dim": 8,
                 "v_head_dim": 16,
-                "markov_rank": 8,
+                # Full rank: the serving tests' Markov head repeats tokens.
+                "markov_rank": tiny_k3.VOCAB,
                 "block_size": DSPARK_BLOCK_SIZE,
                 "dspark_noise_token_id": DSPARK_NOISE_TOKEN,
                 "max_position_embeddings": 4096,

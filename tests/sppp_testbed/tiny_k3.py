@@ -61,13 +61,14 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
-from vllm.models.kimi_k3.nvidia import model as k3
-from vllm.models.kimi_k3.nvidia import mtp as k3_mtp
 from vllm.model_executor.models import llama
 from vllm.models.kimi_k3.nvidia import dspark_mla
+from vllm.models.kimi_k3.nvidia import model as k3
+from vllm.models.kimi_k3.nvidia import mtp as k3_mtp
 from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel
 from vllm.transformers_utils.configs.kimi_linear import KimiLinearConfig
 from vllm.utils.math_utils import cdiv
@@ -234,8 +235,11 @@ class ContextAttention(nn.Module):
 
     Keeps the latent geometry the drafter reads after loading
     (``q_lora_rank``, ``kv_lora_rank``, ``qk_rope_head_dim``,
-    ``kv_a_layernorm``, ``kv_cache_dtype``); its output is row-parallel and
-    left unreduced, as the drafter's next norm reduces it."""
+    ``kv_a_layernorm``, ``kv_cache_dtype``, the rotary embedding); its
+    output is row-parallel and left unreduced, as the drafter's next norm
+    reduces it."""
+
+    kv_cache_dtype = "auto"
 
     def __init__(self, config, hidden_size: int, *args, kv_lora_rank: int,
                  qk_rope_head_dim: int, q_lora_rank: int | None = None,
@@ -244,9 +248,16 @@ class ContextAttention(nn.Module):
         self.q_lora_rank = q_lora_rank
         self.kv_lora_rank = kv_lora_rank
         self.qk_rope_head_dim = qk_rope_head_dim
-        self.kv_cache_dtype = "auto"
+        self.layer_name = prefix
         width = kv_lora_rank + qk_rope_head_dim
         self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(
+            qk_rope_head_dim,
+            max_position=config.max_position_embeddings,
+            rope_parameters=config.rope_parameters,
+            is_neox_style=False,
+        )
+        self._k_scale = torch.tensor(1.0)
         self.query = nn.Parameter(torch.empty(hidden_size, width))
         self.key = nn.Parameter(torch.empty(hidden_size, width))
         self.value = nn.Parameter(torch.empty(width, hidden_size))
@@ -255,17 +266,23 @@ class ContextAttention(nn.Module):
         )
         self.context: torch.Tensor | None = None
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor):
-        latents = hidden_states @ self.key
-        if self.context is not None:
-            latents = torch.cat([self.context, latents])
+    def attend(self, hidden_states: torch.Tensor, latents: torch.Tensor):
+        """The rows ``hidden_states`` over ``latents``, non-causally."""
         query = hidden_states @ self.query
         scores = query @ latents.T / latents.shape[1] ** 0.5
-        mixed = scores.softmax(-1) @ latents @ self.value
+        return scores.softmax(-1) @ latents @ self.value
+
+    def project(self, mixed: torch.Tensor) -> torch.Tensor:
         width = mixed.shape[1] // get_tensor_model_parallel_world_size()
         start = get_tensor_model_parallel_rank() * width
         output, _ = self.o_proj(mixed[:, start : start + width].contiguous())
         return output
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+        latents = hidden_states @ self.key
+        if self.context is not None:
+            latents = torch.cat([self.context, latents])
+        return self.project(self.attend(hidden_states, latents))
 
 
 def mega_moe_max_num_tokens(
