@@ -45,7 +45,7 @@ class Layout:
     # False for a server the stages' agreement must refuse at start-up.
     starts: bool = True
     # The --speculative-config method of the tests' drafter
-    # (tests/serving/eagle3.py: "eagle3" or "mtp"), served with async
+    # (tests/serving/eagle3.py: "eagle3", "mtp" or "dspark"), served with async
     # scheduling, which vLLM needs for a drafter at PP > 1
     # (tests/serving/fork_processes.py says why); None: no drafter.
     drafter: str | None = None
@@ -97,9 +97,10 @@ LAYOUTS = {
         env={STAGE0_EXTRA_ROW: "1"},
         drafter=EAGLE3,
     ),
-    # Kimi K3's own MTP layer as the drafter (vLLM 0.34.0): a server of its
-    # own per layout (one --speculative-config a server), TP1xPP1 its
-    # reference. MTP reads the target's final hidden states, no aux state.
+    # Kimi K3's own MTP layer and its DSpark drafter (vLLM 0.34.0): a server
+    # of its own per layout (one --speculative-config a server), TP1xPP1 its
+    # reference; the four start together, after the others. MTP reads the
+    # target's final hidden states, no aux state; DSpark reads EAGLE-3's taps.
     **(
         {}
         if HAS_LEGACY_RUNNER

@@ -13,7 +13,12 @@ and vLLM's own spec-decode counters (drafts, draft tokens, accepted tokens
 per position) must equal TP1xPP1's; and on each server the accepted drafts
 must be those the completion confirms. The drafter is tiny and seeded alike
 on every rank (tests/serving/eagle3.py), with a few weights set so that some
-of its drafts are accepted (10 of 124 at this writing)."""
+of its drafts are accepted (10 of 124 at this writing).
+
+Every test runs once per drafter method Kimi K3 deploys at PP > 1
+(``DRAFTER_LAYOUTS``): EAGLE-3, Kimi K3's MTP layer and its DSpark drafter
+(``K3DSparkModel``, which reads EAGLE-3's taps), each at TP2xPP3 SP against
+itself at TP1xPP1."""
 
 from __future__ import annotations
 
