@@ -5,7 +5,8 @@ A tiny Kimi K3 checkpoint directory (``tests/sppp_testbed/k3_checkpoint.py``)
 is served as ``vllm serve`` would start it: vLLM's loader builds
 ``KimiK3ForConditionalGeneration`` from its ``config.json`` through the model
 registry, vLLM's V2 runner loads it with an EAGLE-3 drafter (taps inside
-stage 0 and at its boundary), and vLLM's worker takes the transport
+stage 0 and at its boundary; K3's MTP layer or its DSpark drafter in the
+drafters' tests), and vLLM's worker takes the transport
 overrides that every PP send and receive uses
 (``tests/sppp_testbed/loaded_stages.py``). Only what lies below the model
 class is stood in. Under SP each aux state that crosses a boundary must go
