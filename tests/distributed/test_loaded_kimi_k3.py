@@ -5,7 +5,8 @@ A tiny Kimi K3 checkpoint directory (``tests/sppp_testbed/k3_checkpoint.py``)
 is served as ``vllm serve`` would start it: vLLM's loader builds
 ``KimiK3ForConditionalGeneration`` from its ``config.json`` through the model
 registry, vLLM's V2 runner loads it with an EAGLE-3 drafter (taps inside
-stage 0 and at its boundary), and vLLM's worker takes the transport
+stage 0 and at its boundary; K3's MTP layer or its DSpark drafter in the
+drafters' tests), and vLLM's worker takes the transport
 overrides that every PP send and receive uses
 (``tests/sppp_testbed/loaded_stages.py``). Only what lies below the model
 class is stood in. Under SP each aux state that crosses a boundary must go
@@ -22,6 +23,7 @@ from tests.sppp_testbed import k3_checkpoint
 from tests.sppp_testbed.loaded_stages import (
     MTP,
     LoadedStageResult,
+    dspark,
     eagle3,
     run_loaded_step,
 )
@@ -43,7 +45,7 @@ ATTN_RES = "K3 with AttnRes"
 def checkpoints(tmp_path_factory) -> dict[str, str]:
     """A K3 checkpoint directory per architecture name a user's checkpoint
     carries (K3, K3.1), one with AttnRes on (``ATTN_RES``), and an EAGLE-3
-    draft directory (``"draft"``)."""
+    draft directory (``"draft"``) and a DSpark one (``"dspark"``)."""
     root = tmp_path_factory.mktemp("k3-checkpoints")
     paths = {
         name: str(k3_checkpoint.write_checkpoint(root / name, name))
@@ -53,13 +55,14 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
         k3_checkpoint.write_checkpoint(root / ATTN_RES, K3, attn_res=True)
     )
     paths["draft"] = str(k3_checkpoint.write_eagle3_draft(root / "eagle3"))
+    paths["dspark"] = str(k3_checkpoint.write_dspark_draft(root / "tiny-k3-dspark"))
     return paths
 
 
 @pytest.fixture(scope="module")
 def loaded_step(pools, checkpoints):
     """One SP step of ``architecture``'s checkpoint, with ``drafter``
-    (EAGLE-3 or K3's MTP layer), on TP×PP ranks of their
+    (EAGLE-3, K3's MTP layer or K3's DSpark), on TP×PP ranks of their
     own (vLLM's CPU worker module, which they import, patches torch's CUDA
     entry points process-wide); memoised."""
     results: dict[tuple[str, int, int, str], list[LoadedStageResult]] = {}
@@ -69,7 +72,11 @@ def loaded_step(pools, checkpoints):
     ) -> list[LoadedStageResult]:
         key = (architecture, tp, pp, drafter)
         if key not in results:
-            speculative = MTP if drafter == "mtp" else eagle3(checkpoints["draft"])
+            speculative = {
+                "eagle3": eagle3(checkpoints["draft"]),
+                "mtp": MTP,
+                "dspark": dspark(checkpoints["dspark"]),
+            }[drafter]
             results[key] = pools(tp, pp, preload=PRELOAD).run(
                 run_loaded_step,
                 checkpoints[architecture],
@@ -218,4 +225,61 @@ def test_mtp_drafts_of_the_loaded_class_match_one_rank(loaded_step):
                 f"rank {rank}: drafts {result.draft_tokens.tolist()}, "
                 f"want {expected.draft_tokens.tolist()}"
             )
+    assert not problems, "\n".join(problems)
+
+
+def draft_problems(
+    expected: LoadedStageResult, last_stage: list[LoadedStageResult], first_rank: int
+) -> list[str]:
+    """Where the last stage's drafter context, draft logits and draft tokens
+    differ from the one-rank reference's."""
+    problems = []
+    for rank, result in enumerate(last_stage, start=first_rank):
+        for name in ("draft_context", "draft_logits"):
+            got, want = getattr(result, name), getattr(expected, name)
+            if got is None or want is None or got.shape != want.shape:
+                problems.append(f"rank {rank}: {name} {got}, want {want}")
+            elif not (error := (got - want).abs().max().item()) <= TOLERANCE:
+                problems.append(f"rank {rank}: {name} max error {error:.3g}")
+        if not torch.equal(result.draft_tokens, expected.draft_tokens):
+            problems.append(
+                f"rank {rank}: drafts {result.draft_tokens.tolist()}, "
+                f"want {expected.draft_tokens.tolist()}"
+            )
+    return problems
+
+
+def test_eagle3_drafts_of_the_loaded_class_match_one_rank(loaded_step):
+    """The EAGLE-3 drafter, loaded by the runner from
+    ``--speculative-config`` on the last of two SP stages, drafts every
+    position's next token as at TP1×PP1 from the aux states it reads (taps
+    1 and 2 crossed the boundary as shards): its combined input and logits
+    within ``TOLERANCE``, its draft tokens the same."""
+    (expected,) = loaded_step(K3, 1, 1)
+    results = loaded_step(K3, 2, 2)
+    problems = parity_problems(expected, results[2:], first_rank=2)
+    problems += draft_problems(expected, results[2:], first_rank=2)
+    assert not problems, "\n".join(problems)
+
+
+def test_dspark_drafts_of_the_loaded_class_match_one_rank(loaded_step):
+    """K3's DSpark drafter (``K3DSparkModel`` from its draft checkpoint),
+    loaded by the runner from ``--speculative-config`` on the last of two SP
+    stages, reads the target's aux states (taps 1 and 2 crossed the boundary
+    as shards) and drafts its block as at TP1×PP1: the aux states and the
+    context it combines from them and its block's logits within
+    ``TOLERANCE`` (its norms add as at one rank, unlike MTP's), its draft
+    tokens the same."""
+    (expected,) = loaded_step(K3, 1, 1, "dspark")
+    results = loaded_step(K3, 2, 2, "dspark")
+    problems = [
+        f"rank {rank} loaded {result.architecture}"
+        for rank, result in enumerate([expected, *results])
+        if result.architecture != K3
+    ]
+    crossing = sorted(k for k in results[0].sent if k.startswith("aux_hidden_states_"))
+    if len(crossing) != 2:
+        problems.append(f"stage 0 sends aux states {crossing}")
+    problems += parity_problems(expected, results[2:], first_rank=2)
+    problems += draft_problems(expected, results[2:], first_rank=2)
     assert not problems, "\n".join(problems)

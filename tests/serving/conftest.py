@@ -45,7 +45,7 @@ class Layout:
     # False for a server the stages' agreement must refuse at start-up.
     starts: bool = True
     # The --speculative-config method of the tests' drafter
-    # (tests/serving/eagle3.py: "eagle3" or "mtp"), served with async
+    # (tests/serving/eagle3.py: "eagle3", "mtp" or "dspark"), served with async
     # scheduling, which vLLM needs for a drafter at PP > 1
     # (tests/serving/fork_processes.py says why); None: no drafter.
     drafter: str | None = None
@@ -97,9 +97,10 @@ LAYOUTS = {
         env={STAGE0_EXTRA_ROW: "1"},
         drafter=EAGLE3,
     ),
-    # Kimi K3's own MTP layer as the drafter (vLLM 0.34.0): a server of its
-    # own per layout (one --speculative-config a server), TP1xPP1 its
-    # reference. MTP reads the target's final hidden states, no aux state.
+    # Kimi K3's own MTP layer and its DSpark drafter (vLLM 0.34.0): a server
+    # of its own per layout (one --speculative-config a server), TP1xPP1 its
+    # reference; the four start together, after the others. MTP reads the
+    # target's final hidden states, no aux state; DSpark reads EAGLE-3's taps.
     **(
         {}
         if HAS_LEGACY_RUNNER
@@ -110,6 +111,14 @@ LAYOUTS = {
                 "python",
                 None,
                 drafter="mtp",
+                alone=True,
+            ),
+            "TP1xPP1 DSpark": Layout([], "python", None, drafter="dspark", alone=True),
+            "TP2xPP3 SP DSpark (MegaMoE, EP)": Layout(
+                [*TP2PP3, "--moe-backend", "deep_gemm_mega_moe"],
+                "python",
+                None,
+                drafter="dspark",
                 alone=True,
             ),
         }
@@ -134,10 +143,13 @@ SP_PP3 = "TP2xPP3 SP (MegaMoE, EP)"
 REFUSED = "TP2xPP2 SP, stage 1 triton"
 MTP_REFERENCE = "TP1xPP1 MTP"
 MTP_PP3 = "TP2xPP3 SP MTP (MegaMoE, EP)"
+DSPARK_REFERENCE = "TP1xPP1 DSpark"
+DSPARK_PP3 = "TP2xPP3 SP DSpark (MegaMoE, EP)"
 # Per drafter method, its reference layout and the TP2xPP3 SP layout.
 DRAFTER_LAYOUTS = {
     "eagle3": (EAGLE3_REFERENCE, SP_PP3),
     "mtp": (MTP_REFERENCE, MTP_PP3),
+    "dspark": (DSPARK_REFERENCE, DSPARK_PP3),
 }
 
 
@@ -156,10 +168,10 @@ def free_port() -> int:
 class Servers:
     """The servers of `tests/serving` by layout name, started on first use."""
 
-    def __init__(self, vllm: Path, root: Path, draft_dir, logs, wanted) -> None:
+    def __init__(self, vllm: Path, root: Path, drafts, logs, wanted) -> None:
         self.vllm, self.root, self.logs = vllm, root, logs
         self.model_dir = self.model_dir_of(None)
-        self.draft_dir = draft_dir
+        self.drafts = drafts
         self.wanted = wanted
         self.started: dict[str, Server] = {}
         self.startup: dict[str, float] = {}
@@ -190,7 +202,7 @@ class Servers:
                     env["VLLM_USE_RUST_FRONTEND"] = "1"
                 if layout.drafter:
                     env[ASYNC_SCHEDULING] = "1"
-                    draft = speculative_config(self.draft_dir, layout.drafter)
+                    draft = speculative_config(self.drafts, layout.drafter)
                     args += ["--speculative-config", draft, "--async-scheduling"]
                 log = f"{list(LAYOUTS).index(other)}-{layout.frontend}.log"
                 self.started[other] = Server(
@@ -258,7 +270,10 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
         pool = Servers(
             vllm,
             root,
-            k3_checkpoint.write_eagle3_draft(root / "tiny-k3-eagle3"),
+            {
+                "eagle3": k3_checkpoint.write_eagle3_draft(root / "tiny-k3-eagle3"),
+                "dspark": k3_checkpoint.write_dspark_draft(root / "tiny-k3-dspark"),
+            },
             root,
             wanted_layouts(request.session.items),
         )

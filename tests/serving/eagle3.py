@@ -63,22 +63,26 @@ DAMPING = 0.1
 
 
 # The drafters the servers deploy with Kimi K3, by ``--speculative-config``
-# method: EAGLE-3 (its draft checkpoint, ``draft_dir``) and Kimi K3's own MTP
-# layer (``KimiK3MTPModel``, built from the target's checkpoint).
-METHODS = ("eagle3", "mtp")
+# method: EAGLE-3 and Kimi K3's DSpark (each its draft checkpoint, in
+# ``drafts``) and Kimi K3's own MTP layer (``KimiK3MTPModel``, built from the
+# target's checkpoint).
+METHODS = ("eagle3", "mtp", "dspark")
 
 
-def speculative_config(draft_dir: Path, method: str = "eagle3") -> str:
-    """``--speculative-config`` for the drafter of ``method``."""
-    config = {"method": method, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
-    if method == "eagle3":
-        config["model"] = str(draft_dir)
+def speculative_config(drafts: dict[str, Path], method: str = "eagle3") -> str:
+    """``--speculative-config`` for the drafter of ``method``, as users pass
+    it (DSpark's block size is its number of speculative tokens)."""
+    config: dict[str, object] = {"method": method}
+    if method != "dspark":
+        config["num_speculative_tokens"] = NUM_SPECULATIVE_TOKENS
+    if method in drafts:
+        config["model"] = str(drafts[method])
     elif method != "mtp":
         raise ValueError(f"no test drafter for method {method!r}")
     return json.dumps(config)
 
 
-class PagedCausalAttention(nn.Module, AttentionLayerBase):
+class PagedCausalAttention(tiny_k3.CausalAttention, AttentionLayerBase):
     """Attention stand-in for the drafter's layers: per request, causal
     softmax attention of each query over the keys and values of every
     earlier position of that request, read from vLLM's paged KV cache.
@@ -92,15 +96,8 @@ class PagedCausalAttention(nn.Module, AttentionLayerBase):
     or draft position changes the drafts that follow.
     """
 
-    def __init__(self, num_heads: int, head_size: int, scale: float,
-                 num_kv_heads: int | None = None, *args, prefix: str = "",
-                 **kwargs):  # fmt: skip
-        super().__init__()
-        self.num_heads = num_heads
-        self.head_size = head_size
-        self.scale = scale
-        self.num_kv_heads = num_kv_heads or num_heads
-        self.layer_name = prefix
+    def __init__(self, *args, prefix: str = "", **kwargs):
+        super().__init__(*args, prefix=prefix, **kwargs)
         self.kv_cache: torch.Tensor | None = None
         context = get_current_vllm_config().compilation_config.static_forward_context
         if prefix in context:
@@ -120,18 +117,6 @@ class PagedCausalAttention(nn.Module, AttentionLayerBase):
             dtype=tiny_k3.DTYPE,
         )
 
-    def attend(self, q, keys, values, first: int) -> torch.Tensor:
-        """Queries at positions ``first, first + 1, ...`` over keys and
-        values at positions ``0 .. len(keys) - 1``."""
-        group = self.num_heads // self.num_kv_heads
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, keys) * self.scale
-        query_pos = first + torch.arange(q.shape[0])[:, None]
-        future = torch.arange(keys.shape[0])[None, :] > query_pos
-        scores = scores.masked_fill(future, float("-inf"))
-        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
-
     def forward(self, query, key, value, output_shape=None) -> torch.Tensor:
         size = self.head_size
         q = query.view(-1, self.num_heads, size)
@@ -141,7 +126,7 @@ class PagedCausalAttention(nn.Module, AttentionLayerBase):
         metadata = get_forward_context().attn_metadata
         if not isinstance(metadata, dict) or self.layer_name not in metadata:
             # Runs without attention metadata: the batch as one sequence.
-            return self.attend(q, k, v, 0).reshape(q.shape[0], -1)
+            return super().forward(query, key, value)
         from tests.serving.k3_standins import new_token_slots, request_histories
 
         common = metadata[self.layer_name]

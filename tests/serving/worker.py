@@ -361,6 +361,15 @@ class Worker(cpu_worker.CPUWorker):
     def init_device(self) -> None:
         with mock.patch.object(cpu_worker, "CPUModelRunner", runner_class()):
             super().init_device()
+        if not HAS_LEGACY_RUNNER:
+            # As the GPU worker's init_device does (CPUWorker's does not):
+            # DSpark's context precompute takes its scratch from it.
+            from vllm.v1.worker.workspace import init_workspace_manager
+
+            init_workspace_manager(
+                self.device,
+                num_lanes=gpu_worker._num_workspace_lanes(self.vllm_config),
+            )
 
     def determine_available_memory(self) -> int:
         # The GPU worker profiles before it sizes the KV cache: a dummy run

@@ -44,6 +44,16 @@ EAGLE3_AUX_LAYERS = (1, 2, 4)
 # pages have the size of the target's on every rank, whatever the TP size.
 EAGLE3_NUM_HEADS = 2
 EAGLE3_HEAD_DIM = tiny_k3.HIDDEN
+# The target layers whose outputs Kimi K3's DSpark drafter reads
+# (``target_layer_ids``, zero-based; vLLM taps the residual stream after
+# each, aux layers 1, 2 and 4, as EAGLE3_AUX_LAYERS): the same hand-off
+# across stages as EAGLE-3's, read by another drafter class.
+DSPARK_TARGET_LAYERS = tuple(layer - 1 for layer in EAGLE3_AUX_LAYERS)
+# Tokens DSpark drafts in one parallel block (its ``block_size``, which
+# vLLM takes for num_speculative_tokens).
+DSPARK_BLOCK_SIZE = 2
+# The noise token that fills the block's positions after the anchor.
+DSPARK_NOISE_TOKEN = tiny_k3.VOCAB - 2
 # The media placeholder's id: inside the tiny vocabulary.
 MEDIA_PLACEHOLDER = tiny_k3.VOCAB - 1
 
@@ -166,6 +176,49 @@ def write_eagle3_draft(path: Path) -> Path:
                 "max_position_embeddings": 4096,
                 "rms_norm_eps": 1e-6,
                 "eagle_aux_hidden_state_layer_ids": list(EAGLE3_AUX_LAYERS),
+                "tie_word_embeddings": False,
+                "torch_dtype": "float32",
+            }
+        )
+    )
+    return path
+
+
+def write_dspark_draft(path: Path) -> Path:
+    """A DSpark draft checkpoint's ``config.json`` for Kimi K3: the dense MLA
+    drafter vLLM's registry maps ``K3DSparkModel`` to
+    (``K3DSparkForCausalLM``, config ``k3_dspark``), reading the target's
+    layers ``DSPARK_TARGET_LAYERS``. vLLM picks its DSpark speculator by
+    ``dspark`` in the draft's path, so ``path``'s name must carry it."""
+    if "dspark" not in path.name.lower():
+        raise ValueError(f"vLLM finds a DSpark draft by its path: {path}")
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["K3DSparkModel"],
+                "model_type": "k3_dspark",
+                "vocab_size": tiny_k3.VOCAB,
+                "draft_vocab_size": tiny_k3.VOCAB,
+                "hidden_size": tiny_k3.HIDDEN,
+                "target_hidden_size": tiny_k3.HIDDEN,
+                "target_layer_ids": list(DSPARK_TARGET_LAYERS),
+                "num_target_layers": len(DSPARK_TARGET_LAYERS),
+                "intermediate_size": 96,
+                "hidden_act": "silu",
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "q_lora_rank": 32,
+                "kv_lora_rank": 16,
+                "qk_nope_head_dim": 16,
+                "qk_rope_head_dim": 8,
+                "v_head_dim": 16,
+                # Full rank: the serving tests' Markov head repeats tokens.
+                "markov_rank": tiny_k3.VOCAB,
+                "block_size": DSPARK_BLOCK_SIZE,
+                "dspark_noise_token_id": DSPARK_NOISE_TOKEN,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
                 "tie_word_embeddings": False,
                 "torch_dtype": "float32",
             }

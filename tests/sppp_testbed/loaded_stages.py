@@ -12,10 +12,11 @@ through the model registry, the runner takes its PP declaration and sets
 EAGLE-3's aux layers in its own order, and the worker takes the transport
 overrides that ``Worker.execute_model`` passes to every PP send and
 receive. Stand-ins sit below the model class only: ``tiny_k3.stand_ins``
-(KDA, MLA and DSA attention, MoE, ``attn_res``) and the V2 runner's Triton
-kernels (``v2_kernel_standins``). The drafter is loaded on the last stage
-by the runner from ``--speculative-config``; K3's MTP layer is also run
-there, fed as the V2 runner feeds it.
+(KDA, MLA and DSA attention, MoE, ``attn_res``; the drafters' attention)
+and the V2 runner's Triton kernels (``v2_kernel_standins``). The drafter
+is loaded on the last stage by the runner from ``--speculative-config``
+and drafts there after the step, fed as vLLM's speculator feeds it (K3's
+MTP layer, EAGLE-3, K3's DSpark).
 
 One step then crosses the stage boundaries with vLLM's
 ``isend_tensor_dict`` / ``irecv_tensor_dict`` and the worker's overrides,
@@ -61,6 +62,12 @@ def eagle3(draft: str) -> dict:
         "model": draft,
         "num_speculative_tokens": NUM_SPECULATIVE_TOKENS,
     }
+
+
+def dspark(draft: str) -> dict:
+    """``--speculative-config`` of K3's DSpark drafter in ``draft`` (its
+    block size is the number of speculative tokens)."""
+    return {"method": "dspark", "model": draft}
 
 
 def engine_config(
@@ -144,7 +151,11 @@ class LoadedStageResult:
     # The last stage's gathered outputs (N rows).
     hidden_states: torch.Tensor | None = None
     aux_hidden_states: list[torch.Tensor] | None = None
-    # With MTP, the last stage's draft logits and draft tokens (N rows).
+    # With MTP and EAGLE-3, the last stage's draft logits and draft tokens
+    # (N rows); with DSpark, those of its draft block (block-size rows). With
+    # EAGLE-3 and DSpark, the context the drafter combined from the aux
+    # states (N rows).
+    draft_context: torch.Tensor | None = None
     draft_logits: torch.Tensor | None = None
     draft_tokens: torch.Tensor | None = None
     # Whether the loaded MTP layer ran its block sequence parallel.
@@ -218,8 +229,13 @@ def run_loaded_step(
             result.hidden_states, result.aux_hidden_states = output
         else:
             result.hidden_states = output
-        if (speculative or {}).get("method") == "mtp":
+        method = (speculative or {}).get("method")
+        if method == "mtp":
             run_mtp(drafter, model, result, num_tokens, seed)
+        elif method == "eagle3":
+            run_eagle3(drafter, result, num_tokens, seed)
+        elif method == "dspark":
+            run_dspark(drafter, result, num_tokens, seed)
     return result
 
 
@@ -244,13 +260,74 @@ def run_mtp(
 ) -> None:
     """The loaded MTP layer's first draft of every position, fed as the V2
     runner feeds it: the target's gathered states through
-    ``get_drafter_hidden_states`` and the next tokens' ids."""
+    ``get_drafter_hidden_states``."""
     from vllm.v1.worker.gpu.spec_decode.utils import get_drafter_hidden_states
 
     (layer,) = drafter.model.layers.values()
     result.drafter_sequence_parallel = layer.mtp_block.use_sequence_parallel
     hidden_states = get_drafter_hidden_states(model, result.hidden_states)
+    draft_every_position(drafter, hidden_states, result, num_tokens, seed)
+
+
+def run_eagle3(
+    drafter: torch.nn.Module, result: LoadedStageResult, num_tokens: int, seed: int
+) -> None:
+    """The loaded EAGLE-3 drafter's first draft of every position, fed as
+    vLLM's speculator feeds it: the target's gathered aux states in slot
+    order, combined by the drafter (its ``fc``)."""
+    result.draft_context = drafter.combine_hidden_states(
+        torch.cat(result.aux_hidden_states, dim=-1)
+    )
+    draft_every_position(drafter, result.draft_context, result, num_tokens, seed)
+
+
+def draft_every_position(
+    drafter: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    result: LoadedStageResult,
+    num_tokens: int,
+    seed: int,
+) -> None:
+    """A next-token drafter's logits and greedy draft at every position of
+    the prefill, from ``hidden_states`` and the next tokens' ids."""
     ids = token_ids(num_tokens, seed + 1)
-    logits_input, _ = drafter(ids, torch.arange(num_tokens), hidden_states)
+    output = drafter(ids, torch.arange(num_tokens), hidden_states)
+    # MTP returns (logits input, recurrent state), EAGLE-3 (output, residual).
+    logits_input = output[0] if isinstance(output, tuple) else output
     result.draft_logits = drafter.compute_logits(logits_input)
     result.draft_tokens = result.draft_logits.argmax(dim=-1)
+
+
+def run_dspark(
+    drafter: torch.nn.Module, result: LoadedStageResult, num_tokens: int, seed: int
+) -> None:
+    """The loaded DSpark drafter's block after this prefill, fed as vLLM's
+    DSpark speculator feeds it: its context is the target's gathered aux
+    states in slot order, combined by the drafter
+    (``_store_hidden_states``) and projected to each draft layer's latents
+    (``precompute_and_store_context_kv``, whose cache the attention
+    stand-in reads); the block is the anchor (the token the target sampled)
+    and noise tokens after it; each position's draft is its base logits
+    plus the Markov bias of the draft before it, greedily."""
+    from vllm.v1.worker.gpu.spec_decode.utils import get_parallel_drafting_token_id
+
+    inner = drafter.model
+    result.draft_context = drafter.combine_hidden_states(
+        torch.cat(result.aux_hidden_states, dim=-1)
+    )
+    latents = inner.context_kv_proj(result.draft_context)
+    latents = latents.view(num_tokens, len(inner.layers), -1)
+    for index, layer in enumerate(inner.layers):
+        layer.self_attn.context = latents[:, index]
+    block = inner.config.block_size
+    anchor = token_ids(1, seed + 1)
+    ids = torch.full((block,), get_parallel_drafting_token_id(inner.config))
+    ids[0] = anchor[0]
+    hidden_states = drafter(ids, num_tokens + torch.arange(block))
+    result.draft_logits = drafter.compute_draft_logits(hidden_states)
+    drafts, previous = [], anchor
+    for logits in result.draft_logits:
+        bias = drafter.markov_bias(drafter.markov_embed(previous))
+        previous = (logits + bias).argmax(dim=-1)
+        drafts.append(previous)
+    result.draft_tokens = torch.cat(drafts)

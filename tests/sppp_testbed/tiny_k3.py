@@ -61,9 +61,12 @@ from vllm.model_executor.layers.linear import (
     ReplicatedLinear,
     RowParallelLinear,
 )
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import (
     VocabParallelEmbedding,
 )
+from vllm.model_executor.models import llama
+from vllm.models.kimi_k3.nvidia import dspark_mla
 from vllm.models.kimi_k3.nvidia import model as k3
 from vllm.models.kimi_k3.nvidia import mtp as k3_mtp
 from vllm.models.kimi_k3.nvidia.dspark_mla import K3DSparkModel
@@ -185,6 +188,101 @@ class SparseSequenceMixer(SequenceMixer):
         start = get_tensor_model_parallel_rank() * width
         output, _ = self.o_proj(mixed[:, start : start + width].contiguous())
         return output
+
+
+class CausalAttention(nn.Module):
+    """Attention stand-in for an EAGLE-3 drafter's layers (vLLM
+    ``Attention``'s arguments, in the Llama drafter's ``LlamaAttention``):
+    causal softmax attention over the rows it is given, as one sequence."""
+
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None, *args, prefix: str = "",
+                 **kwargs):  # fmt: skip
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.layer_name = prefix
+
+    def attend(self, q, keys, values, first: int) -> torch.Tensor:
+        """Queries at positions ``first, first + 1, ...`` over keys and
+        values at positions ``0 .. len(keys) - 1``."""
+        group = self.num_heads // self.num_kv_heads
+        keys = keys.repeat_interleave(group, dim=1)
+        values = values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q, keys) * self.scale
+        query_pos = first + torch.arange(q.shape[0])[:, None]
+        future = torch.arange(keys.shape[0])[None, :] > query_pos
+        scores = scores.masked_fill(future, float("-inf"))
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), values)
+
+    def forward(self, query, key, value, output_shape=None) -> torch.Tensor:
+        q = query.view(-1, self.num_heads, self.head_size)
+        k = key.view(-1, self.num_kv_heads, self.head_size)
+        v = value.view(-1, self.num_kv_heads, self.head_size)
+        return self.attend(q, k, v, 0).reshape(q.shape[0], -1)
+
+
+class ContextAttention(nn.Module):
+    """Attention stand-in for K3's DSpark draft layers (``dspark_mla``'s
+    ``MultiHeadLatentAttention``): softmax attention of every token of the
+    draft block over the context latents (``context``, what the drafter's
+    ``context_kv_proj`` made of the target's combined aux states: vLLM's
+    ``precompute_and_store_context_kv`` stores them in the draft KV cache)
+    and over the block's own tokens, non-causally as DSpark drafts. A wrong
+    aux row changes the context, and so every draft.
+
+    Keeps the latent geometry the drafter reads after loading
+    (``q_lora_rank``, ``kv_lora_rank``, ``qk_rope_head_dim``,
+    ``kv_a_layernorm``, ``kv_cache_dtype``, the rotary embedding); its
+    output is row-parallel and left unreduced, as the drafter's next norm
+    reduces it."""
+
+    kv_cache_dtype = "auto"
+
+    def __init__(self, config, hidden_size: int, *args, kv_lora_rank: int,
+                 qk_rope_head_dim: int, q_lora_rank: int | None = None,
+                 prefix: str = "", **kwargs):  # fmt: skip
+        super().__init__()
+        self.q_lora_rank = q_lora_rank
+        self.kv_lora_rank = kv_lora_rank
+        self.qk_rope_head_dim = qk_rope_head_dim
+        self.layer_name = prefix
+        width = kv_lora_rank + qk_rope_head_dim
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, eps=config.rms_norm_eps)
+        self.rotary_emb = get_rope(
+            qk_rope_head_dim,
+            max_position=config.max_position_embeddings,
+            rope_parameters=config.rope_parameters,
+            is_neox_style=False,
+        )
+        self._k_scale = torch.tensor(1.0)
+        self.query = nn.Parameter(torch.empty(hidden_size, width))
+        self.key = nn.Parameter(torch.empty(hidden_size, width))
+        self.value = nn.Parameter(torch.empty(width, hidden_size))
+        self.o_proj = RowParallelLinear(
+            hidden_size, hidden_size, bias=False, prefix=f"{prefix}.o_proj"
+        )
+        self.context: torch.Tensor | None = None
+
+    def attend(self, hidden_states: torch.Tensor, latents: torch.Tensor):
+        """The rows ``hidden_states`` over ``latents``, non-causally."""
+        query = hidden_states @ self.query
+        scores = query @ latents.T / latents.shape[1] ** 0.5
+        return scores.softmax(-1) @ latents @ self.value
+
+    def project(self, mixed: torch.Tensor) -> torch.Tensor:
+        width = mixed.shape[1] // get_tensor_model_parallel_world_size()
+        start = get_tensor_model_parallel_rank() * width
+        output, _ = self.o_proj(mixed[:, start : start + width].contiguous())
+        return output
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor):
+        latents = hidden_states @ self.key
+        if self.context is not None:
+            latents = torch.cat([self.context, latents])
+        return self.project(self.attend(hidden_states, latents))
 
 
 def mega_moe_max_num_tokens(
@@ -447,9 +545,13 @@ def stand_ins() -> Iterator[None]:
         if k3_sp is not None
     }
     saved_stream = torch.cuda.Stream
+    saved_dspark = dspark_mla.MultiHeadLatentAttention
+    saved_llama = llama.Attention
     try:
         for name, cls in STAND_INS.items():
             setattr(k3, name, cls)
+        dspark_mla.MultiHeadLatentAttention = ContextAttention
+        llama.Attention = CausalAttention
         k3_mtp.fused_mtp_input = fused_mtp_input_reference
         torch.cuda.Stream = lambda *args, **kwargs: None  # no CUDA streams on CPU
         yield
@@ -461,6 +563,8 @@ def stand_ins() -> Iterator[None]:
         for name, value in saved_mtp.items():
             setattr(k3_mtp, name, value)
         torch.cuda.Stream = saved_stream
+        dspark_mla.MultiHeadLatentAttention = saved_dspark
+        llama.Attention = saved_llama
 
 
 def full_weight(name: str, shape: tuple[int, ...], seed: int) -> torch.Tensor:
